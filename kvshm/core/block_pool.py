@@ -1,0 +1,302 @@
+"""The block pool: ref counts, the LRU free queue and the prefix-cache map.
+
+State lives in the pool segment's flat arrays; the only Python-side index is
+the per-group map from block hash to cached block id(s), which `rebuild()`
+recreates from the segment.
+
+Semantics (vLLM v1): block 0 is the null block, never allocated, freed or
+cached.  The free queue is an LRU doubly linked list: allocation pops from the
+head, a block whose ref count drops to 0 is appended at the tail, and a
+prefix-cache hit on a free block takes it out of the middle.  Blocks in the
+free queue keep their hash until they are reused (evicted on allocation).
+The map does not deduplicate: several blocks may be cached under one hash,
+and lookups return the earliest cached one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from kvshm.core.errors import InvalidArgument
+from kvshm.core.hashing import HASH_SLOT_BYTES, digest_size
+from kvshm.core.segment import FLAG_CACHED, FLAG_NULL, FLAG_SINK, PoolSegment
+
+NULL_BLOCK = 0
+_H = HASH_SLOT_BYTES
+
+
+class NoFreeBlocks(InvalidArgument):
+    """More blocks were requested from the pool than are free."""
+
+    code = "NO_FREE_BLOCKS"
+
+    def __init__(self, requested: int, available: int) -> None:
+        super().__init__(f"requested {requested} blocks, {available} free")
+        self.requested = requested
+        self.available = available
+
+
+class BlockPool:
+    """Allocation, freeing and caching of block ids over a `PoolSegment`.
+
+    Args:
+        segment: a freshly created segment (`attach=False`), or one that holds
+            state to adopt (`attach=True`: the hash maps are rebuilt).
+    """
+
+    def __init__(self, segment: PoolSegment, *, attach: bool = False) -> None:
+        cfg = segment.config
+        self.segment = segment
+        self.num_blocks = cfg.num_blocks
+        self.enable_caching = cfg.enable_caching
+        self.hash_block_size = cfg.hash_block_size
+        self._sentinel = cfg.num_blocks
+        self._ref = segment.ref_cnt
+        self._next = segment.next_delta
+        self._prev = segment.prev_delta
+        self._free_stamp = segment.free_stamp
+        self._cache_stamp = segment.cache_stamp
+        self._group = segment.hash_group
+        self._flags = segment.flags
+        self._hashes = segment.hashes
+        self._dsz = digest_size(cfg.hash_algorithm)
+        self.num_cached_blocks = 0
+        # group id -> {hash: block id | {block id: None, ...}}
+        self._maps: list[dict] = [{} for _ in cfg.groups]
+        # Prefix-cache statistics: lookups, lookups with a hit, tokens asked
+        # for, tokens hit.
+        self.stats = [0, 0, 0, 0]
+        if attach:
+            c = segment.read_counters()
+            self.num_free_blocks = c["num_free_blocks"]
+            self._next_free_stamp = c["free_stamp"]
+            self._next_cache_stamp = c["cache_stamp"]
+            self.stats = [c["queries"], c["hits"], c["query_tokens"], c["hit_tokens"]]
+            self.rebuild()
+        else:
+            self.num_free_blocks = cfg.num_blocks
+            self._next_free_stamp = 1
+            self._next_cache_stamp = 1
+            # Block 0 becomes the null block, then each sink group takes its
+            # blocks from the head of the queue, in group order.
+            self._flags[NULL_BLOCK] = FLAG_NULL
+            self._popleft_n(1)
+            for b in self._popleft_n(cfg.num_sink_blocks):
+                self._flags[b] = FLAG_SINK
+            self.publish(0)
+
+    def publish(self, num_requests: int) -> None:
+        """Write the counters to the segment header and close the mutation."""
+        st = self.stats
+        self.segment.end_mutation(
+            self.num_free_blocks, self._next_free_stamp, self._next_cache_stamp,
+            self.num_cached_blocks, st[0], st[1], st[2], st[3], num_requests)
+
+    # -- free queue (private) -------------------------------------------------
+    def _popleft_n(self, n: int) -> list[int]:
+        if n == 0:
+            return []
+        nxt = self._next
+        s = self._sentinel
+        out = []
+        b = s + nxt[s]
+        for _ in range(n):
+            out.append(b)
+            b += nxt[b]
+        nxt[s] = b - s
+        self._prev[b] = s - b
+        self.num_free_blocks -= n
+        return out
+
+    def _remove(self, b: int) -> None:
+        nxt, prv = self._next, self._prev
+        p = b + prv[b]
+        q = b + nxt[b]
+        nxt[p] = q - p
+        prv[q] = p - q
+        self.num_free_blocks -= 1
+
+    def _append_n(self, blocks: list[int]) -> None:
+        nxt, prv, stamp = self._next, self._prev, self._free_stamp
+        s = self._sentinel
+        last = s + prv[s]
+        t = self._next_free_stamp
+        for b in blocks:
+            prv[b] = last - b
+            nxt[last] = b - last
+            stamp[b] = t
+            t += 1
+            last = b
+        nxt[last] = s - last
+        prv[s] = last - s
+        self._next_free_stamp = t
+        self.num_free_blocks += len(blocks)
+
+    def free_queue(self, limit: int | None = None) -> list[int]:
+        """Block ids of the free queue in eviction order (next to go first)."""
+        nxt = self._next
+        s = self._sentinel
+        n = self.num_free_blocks if limit is None else min(limit, self.num_free_blocks)
+        out = []
+        b = s + nxt[s]
+        for _ in range(n):
+            out.append(b)
+            b += nxt[b]
+        return out
+
+    # -- allocation --------------------------------------------------------
+    def get_num_free_blocks(self) -> int:
+        return self.num_free_blocks
+
+    def get_new_blocks(self, num_blocks: int) -> list[int]:
+        """Pop `num_blocks` blocks from the head of the free queue, evicting
+        their cached hashes, with ref count 1.  Raises NoFreeBlocks."""
+        if num_blocks <= 0:
+            return []
+        if num_blocks > self.num_free_blocks:
+            raise NoFreeBlocks(num_blocks, self.num_free_blocks)
+        out = self._popleft_n(num_blocks)
+        ref, flags = self._ref, self._flags
+        for b in out:
+            if flags[b]:
+                self._evict(b)
+            ref[b] = 1
+        return out
+
+    def touch(self, blocks: Sequence[int]) -> None:
+        """Take a reference on prefix-cache hits; a hit that sat in the free
+        queue leaves it."""
+        ref = self._ref
+        for b in blocks:
+            if b:
+                r = ref[b]
+                if r == 0:
+                    self._remove(b)
+                ref[b] = r + 1
+
+    def free_blocks(self, ordered_blocks: Iterable[int]) -> None:
+        """Drop one reference on each block; blocks reaching 0 join the tail of
+        the free queue in the given order (the first one is evicted first)."""
+        ref = self._ref
+        freed = []
+        for b in ordered_blocks:
+            if b:
+                r = ref[b] - 1
+                assert r >= 0, f"block {b} freed more often than referenced"
+                ref[b] = r
+                if r == 0:
+                    freed.append(b)
+        if freed:
+            self._append_n(freed)
+
+    # -- prefix cache ------------------------------------------------------
+    def get_cached_block(self, block_hash: bytes, group_ids: Sequence[int]) -> list[int] | None:
+        """The cached block for `block_hash` in every group of `group_ids`, or
+        None if any group misses."""
+        out = []
+        maps = self._maps
+        for g in group_ids:
+            hit = maps[g].get(block_hash)
+            if hit is None:
+                return None
+            out.append(hit if hit.__class__ is int else next(iter(hit)))
+        return out
+
+    def lookup(self, block_hash: bytes, group_id: int) -> int | None:
+        """The earliest cached block for (`block_hash`, `group_id`), or None."""
+        hit = self._maps[group_id].get(block_hash)
+        if hit is None or hit.__class__ is int:
+            return hit
+        return next(iter(hit))
+
+    def cache_block(self, block: int, block_hash: bytes, group_id: int) -> None:
+        """Record `block` (full, uncached, not null) under (hash, group)."""
+        m = self._maps[group_id]
+        cur = m.get(block_hash)
+        if cur is None:
+            m[block_hash] = block
+        elif cur.__class__ is int:
+            m[block_hash] = {cur: None, block: None}
+        else:
+            cur[block] = None
+        off = block * _H
+        self._hashes[off:off + len(block_hash)] = block_hash
+        self._group[block] = group_id
+        self._flags[block] = FLAG_CACHED
+        self._cache_stamp[block] = self._next_cache_stamp
+        self._next_cache_stamp += 1
+        self.num_cached_blocks += 1
+
+    def block_hash(self, block: int) -> bytes | None:
+        """The hash `block` is cached under, or None."""
+        if not self._flags[block] & FLAG_CACHED:
+            return None
+        off = block * _H
+        return bytes(self._hashes[off:off + self._dsz])
+
+    def _evict(self, b: int) -> None:
+        """Drop block `b` from the prefix cache (its flags are known set)."""
+        if not self._flags[b] & FLAG_CACHED:
+            return
+        off = b * _H
+        key = bytes(self._hashes[off:off + self._dsz])
+        m = self._maps[self._group[b]]
+        cur = m.pop(key)
+        if cur.__class__ is not int:
+            del cur[b]
+            if cur:
+                m[key] = cur if len(cur) > 1 else next(iter(cur))
+        self._flags[b] = 0
+        self.num_cached_blocks -= 1
+
+    def evict_blocks(self, block_ids: Iterable[int]) -> None:
+        """Remove each listed block from the prefix cache if it is cached; the
+        blocks stay where they are.  Raises InvalidArgument (and changes
+        nothing) if an id is out of range."""
+        ids = list(block_ids)
+        n = self.num_blocks
+        for b in ids:
+            if b.__class__ is not int or not 0 <= b < n:
+                raise InvalidArgument(f"block id {b!r} is not in [0, {n})")
+        for b in ids:
+            self._evict(b)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached hash; only possible when no block is in use
+        (sink blocks count as in use).  Returns whether it happened."""
+        if self.num_blocks - self.num_free_blocks != 1:
+            return False
+        for m in self._maps:
+            m.clear()
+        # Every block but the null block is free here (no sink blocks either:
+        # they count as used), so a flag is either 0 or CACHED.
+        flags = self._flags
+        flags[:] = bytes(len(flags))
+        flags[NULL_BLOCK] = FLAG_NULL
+        self.num_cached_blocks = 0
+        return True
+
+    def rebuild(self) -> None:
+        """Recreate the hash maps from the segment (cached blocks ordered by
+        the stamp of their caching, so 'earliest cached wins' survives)."""
+        flags, stamp, group = self._flags, self._cache_stamp, self._group
+        cached = [b for b in range(self.num_blocks) if flags[b] & FLAG_CACHED]
+        cached.sort(key=lambda b: stamp[b])
+        for m in self._maps:
+            m.clear()
+        self.num_cached_blocks = len(cached)
+        for b in cached:
+            off = b * _H
+            key = bytes(self._hashes[off:off + self._dsz])
+            m = self._maps[group[b]]
+            cur = m.get(key)
+            if cur is None:
+                m[key] = b
+            elif cur.__class__ is int:
+                m[key] = {cur: None, b: None}
+            else:
+                cur[b] = None
+
+    def get_usage(self) -> float:
+        total = self.num_blocks - 1
+        return 1.0 - self.num_free_blocks / total if total else 0.0

@@ -1,0 +1,104 @@
+"""The error vocabulary of the allocator core.
+
+Everything a caller can trigger raises a subclass of `KvshmError` carrying the
+numbers involved; `assert` is reserved for internal invariants.  Each class
+has a stable `code` that the wire protocol will carry as a typed reply.
+"""
+
+from __future__ import annotations
+
+
+class KvshmError(Exception):
+    """Base class of every error kvshm raises on purpose."""
+
+    code = "ERROR"
+
+
+class ConfigError(KvshmError, ValueError):
+    """A pool config breaks a rule; `field` names the offending field."""
+
+    code = "BAD_CONFIG"
+
+    def __init__(self, field: str, rule: str) -> None:
+        super().__init__(f"{field}: {rule}")
+        self.field = field
+        self.rule = rule
+
+
+class InvalidArgument(KvshmError, ValueError):
+    """A call's argument is out of its domain (negative count, bad id, ...)."""
+
+    code = "BAD_ARGUMENT"
+
+
+class UnknownRequest(KvshmError, KeyError):
+    """An operation names a request id that does not exist."""
+
+    code = "UNKNOWN_REQUEST"
+
+    def __init__(self, request_id: str) -> None:
+        super().__init__(f"unknown request {request_id!r}")
+        self.request_id = request_id
+
+    def __str__(self) -> str:  # KeyError would quote the whole message
+        return self.args[0]
+
+
+class DuplicateRequest(KvshmError, ValueError):
+    """A request id is added twice."""
+
+    code = "DUPLICATE_REQUEST"
+
+    def __init__(self, request_id: str) -> None:
+        super().__init__(f"request {request_id!r} already exists")
+        self.request_id = request_id
+
+
+class RequestTableFull(KvshmError):
+    """No free request slot in the shared-memory request table."""
+
+    code = "TABLE_FULL"
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__(
+            f"all {capacity} request slots are in use "
+            "(raise max_num_seqs in the pool config)"
+        )
+        self.capacity = capacity
+
+
+class RequestTooLong(KvshmError, ValueError):
+    """A request would hold more blocks than its request-table row can."""
+
+    code = "REQUEST_TOO_LONG"
+
+    def __init__(self, group: int, needed: int, capacity: int) -> None:
+        super().__init__(
+            f"group {group}: request needs {needed} blocks, a request-table row "
+            f"holds {capacity} (max_model_len / max_encoder_len bound it)"
+        )
+        self.group = group
+        self.needed = needed
+        self.capacity = capacity
+
+
+class SegmentError(KvshmError):
+    """A shared-memory segment is missing, foreign, or of another layout."""
+
+    code = "BAD_SEGMENT"
+
+
+class ShmSpaceError(KvshmError):
+    """Not enough free space in /dev/shm for a segment."""
+
+    code = "NO_SHM_SPACE"
+
+    def __init__(self, needed: int, available: int, path: str) -> None:
+        super().__init__(
+            f"a pool segment needs {needed:,} bytes but {path} has only "
+            f"{available:,} free; enlarge it (for example "
+            f"`mount -o remount,size=8G {path}`, or `docker run --shm-size=8g`) "
+            "or lower num_blocks / max_num_seqs"
+        )
+        self.needed = needed
+        self.available = available

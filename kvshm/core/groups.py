@@ -1,0 +1,167 @@
+"""Group logic: combine the per-group managers of one model.
+
+Three flavours, chosen by `make_group_logic` as vLLM chooses its KV-cache
+coordinators: no prefix cache (caching off, any number of groups), unitary
+(one group) and hybrid (several groups: a fixed-point search for the longest
+hit every attention type accepts).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from kvshm.core.block_pool import BlockPool
+from kvshm.core.managers import CrossAttentionManager, SingleTypeManager, make_manager
+from kvshm.core.request import Request
+from kvshm.core.specs import FULL_ATTENTION_TYPES, PoolConfig, attention_types
+from kvshm.core.table import RequestTable
+
+BlockIds = tuple[list[int], ...]
+
+
+class GroupLogic:
+    """Fan-out of every manager operation over the groups, in group order."""
+
+    def __init__(self, config: PoolConfig, pool: BlockPool, table: RequestTable) -> None:
+        self.config = config
+        self.pool = pool
+        self.managers: tuple[SingleTypeManager, ...] = tuple(
+            make_manager(spec, i, pool, table, config) for i, spec in enumerate(config.groups)
+        )
+        self.num_groups = len(self.managers)
+        self._cross = tuple(isinstance(m, CrossAttentionManager) for m in self.managers)
+
+    def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int,
+                                   new_computed_blocks: BlockIds, num_encoder_tokens: int,
+                                   total_computed_tokens: int) -> int:
+        n = 0
+        for m, cross, hits in zip(self.managers, self._cross, new_computed_blocks):
+            if cross:
+                n += m.get_num_blocks_to_allocate(request_id, num_encoder_tokens, (), 0)
+            else:
+                n += m.get_num_blocks_to_allocate(request_id, num_tokens, hits,
+                                                  total_computed_tokens)
+        return n
+
+    def allocate_new_computed_blocks(self, request_id: str, new_computed_blocks: BlockIds,
+                                     num_local_computed_tokens: int,
+                                     num_external_computed_tokens: int) -> None:
+        for m, hits in zip(self.managers, new_computed_blocks):
+            m.allocate_new_computed_blocks(request_id, hits, num_local_computed_tokens,
+                                           num_external_computed_tokens)
+
+    def allocate_new_blocks(self, request_id: str, num_tokens: int,
+                            num_encoder_tokens: int) -> BlockIds:
+        return tuple(
+            m.allocate_new_blocks(request_id, num_encoder_tokens if cross else num_tokens)
+            for m, cross in zip(self.managers, self._cross)
+        )
+
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        for m in self.managers:
+            m.cache_blocks(request, num_computed_tokens)
+
+    def free(self, request_id: str) -> None:
+        for m in self.managers:
+            m.free(request_id)
+
+    def remove_skipped_blocks(self, request_id: str, total_computed_tokens: int) -> None:
+        for m in self.managers:
+            m.remove_skipped_blocks(request_id, total_computed_tokens)
+
+    def get_num_common_prefix_blocks(self, request_id: str) -> list[int]:
+        return [m.get_num_common_prefix_blocks(request_id) for m in self.managers]
+
+    def get_blocks(self, request_id: str) -> BlockIds:
+        return tuple(list(m.req_to_blocks.get(request_id) or ()) for m in self.managers)
+
+    def find_longest_cache_hit(self, block_hashes: list[bytes],
+                               max_length: int) -> tuple[BlockIds, int]:
+        raise NotImplementedError
+
+
+class NoPrefixCache(GroupLogic):
+    """Caching off: never a hit, never a common prefix."""
+
+    def get_num_common_prefix_blocks(self, request_id: str) -> list[int]:
+        return [0] * self.num_groups
+
+    def find_longest_cache_hit(self, block_hashes, max_length):
+        return tuple([] for _ in self.managers), 0
+
+
+class Unitary(GroupLogic):
+    """One group."""
+
+    def __init__(self, config: PoolConfig, pool: BlockPool, table: RequestTable) -> None:
+        super().__init__(config, pool, table)
+        self._manager = self.managers[0]
+        self._block_size = self._manager.block_size
+
+    def find_longest_cache_hit(self, block_hashes, max_length):
+        hit = self._manager.find_longest_cache_hit(block_hashes, max_length, [0],
+                                                   self._block_size)
+        return (hit[0],), len(hit[0]) * self._block_size
+
+
+class Hybrid(GroupLogic):
+    """Several groups of at least two distinct specs.
+
+    Groups with equal specs are searched together.  Each attention type
+    either accepts the candidate hit length or shortens it; any shortening
+    restarts the round, until a round changes nothing.  Hit lengths are
+    multiples of the lcm of all block sizes.
+    """
+
+    def __init__(self, config: PoolConfig, pool: BlockPool, table: RequestTable) -> None:
+        super().__init__(config, pool, table)
+        types = attention_types(config.groups)
+        self.lcm_block_size = math.lcm(*(spec.block_size for spec, _ in types))
+        # Full attention first: its left-to-right scan bounds the others.
+        types.sort(key=lambda t: not isinstance(t[0], FULL_ATTENTION_TYPES))
+        self.attention_types = [
+            (isinstance(spec, FULL_ATTENTION_TYPES), ids, self.managers[ids[0]])
+            for spec, ids in types
+        ]
+
+    def find_longest_cache_hit(self, block_hashes, max_length):
+        hit_length = max_length
+        hits: list[list[int] | None] = [None] * self.num_groups
+        lcm = self.lcm_block_size
+        while True:
+            cur = hit_length
+            for is_full, ids, manager in self.attention_types:
+                bs = manager.block_size
+                if is_full and hits[ids[0]] is not None:
+                    # A full-attention hit is prefix-closed: shorten, not redo.
+                    n = cur // bs
+                    cur = n * bs
+                    for g in ids:
+                        del hits[g][n:]
+                else:
+                    found = manager.find_longest_cache_hit(
+                        manager.group_hashes(block_hashes), cur, ids, lcm)
+                    cur = len(found[0]) * bs
+                    for g, blocks in zip(ids, found):
+                        hits[g] = blocks
+            if cur < hit_length:
+                hit_length = cur
+            else:
+                break
+        return tuple(h if h is not None else [] for h in hits), hit_length
+
+
+def make_group_logic(config: PoolConfig, pool: BlockPool, table: RequestTable) -> GroupLogic:
+    if not config.enable_caching:
+        return NoPrefixCache(config, pool, table)
+    if len(config.groups) == 1:
+        return Unitary(config, pool, table)
+    return Hybrid(config, pool, table)
+
+
+def any_blocks(blocks: Sequence[Sequence[int]]) -> bool:
+    for b in blocks:
+        if b:
+            return True
+    return False

@@ -1,0 +1,302 @@
+"""`KVCacheManager`: the scheduler-facing facade of the allocator core.
+
+Same API and semantics as vLLM v1's KVCacheManager, with block ids (ints)
+instead of block objects, state in a shared-memory `PoolSegment`, and typed
+errors (raised before anything changes) instead of asserts for caller
+mistakes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from kvshm.core.block_pool import BlockPool
+from kvshm.core.errors import InvalidArgument, RequestTooLong
+from kvshm.core.groups import BlockIds, any_blocks, make_group_logic
+from kvshm.core.hashing import BlockHasher
+from kvshm.core.request import Request
+from kvshm.core.segment import PoolSegment
+from kvshm.core.specs import PoolConfig
+from kvshm.core.table import RequestTable
+
+
+class KVCacheManager:
+    """The allocator for one pool.
+
+    Args:
+        config: the pool config (validated here).
+        segment: an existing segment to adopt (its config wins; `config` may
+            then be None).  Without one, a new segment named `name` is
+            created and owned: `close()` unlinks it.
+    """
+
+    def __init__(self, config: PoolConfig | None = None, *, name: str | None = None,
+                 segment: PoolSegment | None = None) -> None:
+        if segment is None:
+            if config is None:
+                raise InvalidArgument("a config or a segment is required")
+            segment = PoolSegment.create(config, name)
+            attach = False
+        else:
+            attach = True
+        self.segment = segment
+        self.config = config = segment.config
+        self.max_model_len = config.max_model_len
+        self.enable_caching = config.enable_caching
+        self.num_kv_cache_groups = len(config.groups)
+        try:
+            segment.begin_mutation()
+            self.block_pool = BlockPool(segment, attach=attach)
+            self.table = RequestTable(segment)
+            self.groups = make_group_logic(config, self.block_pool, self.table)
+            if attach:
+                self._adopt_table()
+        except BaseException:
+            self._drop_segment()
+            raise
+        self.empty_blocks: BlockIds = tuple(() for _ in config.groups)
+        self._widths = self.table.widths
+
+    # -- construction helpers --------------------------------------------------
+    def make_hasher(self) -> BlockHasher | None:
+        """The block hasher requests of this pool must use (None: caching off)."""
+        cfg = self.config
+        if not cfg.enable_caching:
+            return None
+        return BlockHasher(cfg.hash_algorithm, cfg.hash_seed, cfg.hash_block_size)
+
+    def _adopt_table(self) -> None:
+        """Rebuild the request index and per-group lists from the segment."""
+        seg, table = self.segment, self.table
+        meta = seg.slot_meta
+        from kvshm.core.segment import SLOT_META_FIELDS
+        table._free_slots.clear()
+        for slot in range(table.capacity - 1, -1, -1):
+            if not meta[slot * SLOT_META_FIELDS + 2]:
+                table._free_slots.append(slot)
+                continue
+            rid = seg.slot_request_id(slot)
+            table.slot_of[rid] = slot
+            for g, m in enumerate(self.groups.managers):
+                blocks, cached = table.read_row(slot, g)
+                if blocks is not None:
+                    m.req_to_blocks[rid] = blocks
+                if cached >= 0:
+                    m.num_cached_block[rid] = cached
+
+    # -- lifecycle ---------------------------------------------------------------
+    def close(self) -> None:
+        """Release the segment (and unlink it if this manager created it)."""
+        self._drop_segment()
+
+    def _drop_segment(self) -> None:
+        seg = self.segment
+        if seg.closed:
+            return
+        seg.close()
+        if seg.owner:
+            seg.unlink()
+
+    def __enter__(self) -> "KVCacheManager":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- queries -----------------------------------------------------------------
+    @property
+    def usage(self) -> float:
+        """Fraction of the pool (null block excluded) not free."""
+        return self.block_pool.get_usage()
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.block_pool.num_free_blocks
+
+    def get_computed_blocks(self, request: Request) -> tuple[BlockIds, int]:
+        """Prefix-cache hit of a waiting request: (blocks per group, tokens).
+
+        Never covers the last token; changes no block state.
+        """
+        if not self.enable_caching or request.skip_reading_prefix_cache:
+            return self.empty_blocks, 0
+        blocks, n = self.groups.find_longest_cache_hit(request.block_hashes,
+                                                       request.num_tokens - 1)
+        st = self.block_pool.stats
+        st[0] += 1
+        st[2] += request.num_tokens
+        if n:
+            st[1] += 1
+            st[3] += n
+        return (blocks if any_blocks(blocks) else self.empty_blocks), n
+
+    def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
+        """Every block the request holds, per group (nulls included)."""
+        return self.groups.get_blocks(request_id)
+
+    def get_num_common_prefix_blocks(self, request_id: str) -> list[int]:
+        """Per group, how many leading blocks of the request every request
+        with an allocation shares."""
+        self.table.check_room(request_id)
+        seg = self.segment
+        seg.begin_mutation()  # the probe may create an (empty) entry
+        try:
+            return self.groups.get_num_common_prefix_blocks(request_id)
+        finally:
+            self._publish()
+
+    # -- mutations ---------------------------------------------------------------
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       num_new_computed_tokens: int = 0,
+                       new_computed_blocks: BlockIds | None = None,
+                       num_lookahead_tokens: int = 0,
+                       num_external_computed_tokens: int = 0,
+                       delay_cache_blocks: bool = False,
+                       num_encoder_tokens: int = 0) -> BlockIds | None:
+        """Give the request slots for `num_new_tokens` more tokens (plus
+        lookahead), adopting `new_computed_blocks` (from
+        `get_computed_blocks`).  Returns the newly allocated block ids per
+        group, or None when the pool has too few free blocks.  Blocks out of
+        the request's attention window are freed even when it fails.
+
+        Raises InvalidArgument (negative counts, no tokens, hits for a running
+        request, bad hit lists), RequestTooLong, RequestTableFull; then
+        nothing has changed.
+        """
+        rid = request.request_id
+        if (num_new_tokens < 0 or num_new_computed_tokens < 0 or num_lookahead_tokens < 0
+                or num_external_computed_tokens < 0 or num_encoder_tokens < 0):
+            raise InvalidArgument(
+                "token counts must be >= 0 (num_new_tokens="
+                f"{num_new_tokens}, num_new_computed_tokens={num_new_computed_tokens}, "
+                f"num_lookahead_tokens={num_lookahead_tokens}, "
+                f"num_external_computed_tokens={num_external_computed_tokens}, "
+                f"num_encoder_tokens={num_encoder_tokens})")
+        if num_new_tokens == 0 and num_external_computed_tokens == 0:
+            raise InvalidArgument(
+                "num_new_tokens must be > 0 when there are no external computed tokens")
+        if new_computed_blocks is None or not any_blocks(new_computed_blocks):
+            hits = self.empty_blocks
+            has_hits = False
+        else:
+            hits = new_computed_blocks
+            has_hits = True
+            self._check_hits(rid, hits)
+        num_local = request.num_computed_tokens + num_new_computed_tokens
+        total_computed = min(num_local + num_external_computed_tokens, self.max_model_len)
+        num_need_slot = min(total_computed + num_new_tokens + num_lookahead_tokens,
+                            self.max_model_len)
+        self._check_fits(rid, hits, num_need_slot, num_local + num_external_computed_tokens,
+                         num_encoder_tokens, has_hits or num_external_computed_tokens > 0)
+
+        groups = self.groups
+        self.segment.begin_mutation()
+        try:
+            groups.remove_skipped_blocks(rid, total_computed)
+            need = groups.get_num_blocks_to_allocate(
+                rid, num_need_slot, hits, num_encoder_tokens,
+                num_local + num_external_computed_tokens)
+            if need > self.block_pool.num_free_blocks:
+                return None
+            if has_hits or num_external_computed_tokens > 0:
+                groups.allocate_new_computed_blocks(rid, hits, num_local,
+                                                    num_external_computed_tokens)
+            new_blocks = groups.allocate_new_blocks(rid, num_need_slot, num_encoder_tokens)
+            if self.enable_caching and not delay_cache_blocks:
+                groups.cache_blocks(request, min(total_computed + num_new_tokens,
+                                                 request.num_tokens))
+            return new_blocks
+        finally:
+            self._publish()
+
+    def _check_hits(self, rid: str, hits: BlockIds) -> None:
+        if len(hits) != self.num_kv_cache_groups:
+            raise InvalidArgument(
+                f"new_computed_blocks has {len(hits)} groups, the pool has "
+                f"{self.num_kv_cache_groups}")
+        n = self.config.num_blocks
+        for g, (m, blocks) in enumerate(zip(self.groups.managers, hits)):
+            if not blocks:
+                continue
+            if rid in m.num_cached_block or m.req_to_blocks.get(rid):
+                raise InvalidArgument(
+                    f"request {rid!r} already holds blocks: prefix-cache hits are "
+                    "only for a new (or preempted) request")
+            for b in blocks:
+                if b.__class__ is not int or not 0 <= b < n:
+                    raise InvalidArgument(f"group {g}: block id {b!r} is not in [0, {n})")
+
+    def _check_fits(self, rid: str, hits: BlockIds, num_need_slot: int,
+                    total_computed: int, num_encoder_tokens: int, adopts: bool) -> None:
+        self.table.check_room(rid)
+        for g, m in enumerate(self.groups.managers):
+            if self.groups._cross[g]:
+                needed = -(-num_encoder_tokens // m.block_size)
+            else:
+                if adopts and rid not in m.num_cached_block and m.req_to_blocks.get(rid):
+                    raise InvalidArgument(
+                        f"request {rid!r} already holds blocks: external computed "
+                        "tokens are only for a new (or preempted) request")
+                needed = m.blocks_after_allocation(rid, num_need_slot, len(hits[g]),
+                                                   total_computed)
+            if needed > self._widths[g]:
+                raise RequestTooLong(g, needed, self._widths[g])
+
+    def free(self, request: Request | str) -> None:
+        """Free every block of the request (tail first).  A request holding
+        nothing is fine."""
+        rid = request if isinstance(request, str) else request.request_id
+        self.segment.begin_mutation()
+        try:
+            self.groups.free(rid)
+            self.table.release(rid)
+        finally:
+            self._publish()
+
+    def remove_skipped_blocks(self, request_id: str, total_computed_tokens: int) -> None:
+        """Free the request's blocks that are out of the attention window."""
+        if total_computed_tokens < 0:
+            raise InvalidArgument(f"total_computed_tokens must be >= 0 (got {total_computed_tokens})")
+        self.table.check_room(request_id)
+        self.segment.begin_mutation()
+        try:
+            self.groups.remove_skipped_blocks(request_id, total_computed_tokens)
+        finally:
+            self._publish()
+
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """Commit the request's full blocks up to `num_computed_tokens`."""
+        if not self.enable_caching:
+            return
+        if not 0 <= num_computed_tokens <= request.num_tokens:
+            raise InvalidArgument(
+                f"num_computed_tokens must be in [0, num_tokens={request.num_tokens}] "
+                f"(got {num_computed_tokens})")
+        if len(request.block_hashes) * self.config.hash_block_size + self.config.hash_block_size <= request.num_tokens:
+            raise InvalidArgument(f"request {request.request_id!r} has no block hasher")
+        self.table.check_room(request.request_id)
+        self.segment.begin_mutation()
+        try:
+            self.groups.cache_blocks(request, num_computed_tokens)
+        finally:
+            self._publish()
+
+    def evict_blocks(self, block_ids: Iterable[int]) -> None:
+        """Drop the listed blocks from the prefix cache (ids may be free, in
+        use, uncached or 0)."""
+        self.segment.begin_mutation()
+        try:
+            self.block_pool.evict_blocks(block_ids)
+        finally:
+            self._publish()
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget all cached hashes; fails (False) while any block is in use."""
+        self.segment.begin_mutation()
+        try:
+            return self.block_pool.reset_prefix_cache()
+        finally:
+            self._publish()
+
+    def _publish(self) -> None:
+        self.block_pool.publish(len(self.table))

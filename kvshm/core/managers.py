@@ -1,0 +1,392 @@
+"""Per-attention-type managers: one per KV-cache group.
+
+Each manager owns its group's request -> block-ids lists and cached-block
+counts, and decides, for its attention type, how many blocks a request needs,
+which prefix-cache hits it can use and which blocks fall out of its window.
+Block ids are plain ints; block 0 is the null placeholder.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvshm.core.block_pool import NULL_BLOCK, BlockPool
+from kvshm.core.request import Request
+from kvshm.core.specs import (
+    ChunkedLocalSpec,
+    CrossAttentionSpec,
+    FullSpec,
+    GroupSpec,
+    MambaSpec,
+    MLASpec,
+    PoolConfig,
+    SinkFullSpec,
+    SlidingWindowSpec,
+)
+from kvshm.core.table import RequestTable
+
+
+class SingleTypeManager:
+    """Behaviour shared by every attention type (full attention's, mostly).
+
+    `req_to_blocks` entries come into being where vLLM's defaultdict creates
+    them (allocation, caching, window trimming, the common-prefix probe), and
+    `get_num_common_prefix_blocks` counts them, so the same calls create them
+    here.
+    """
+
+    def __init__(self, spec: GroupSpec, group_id: int, pool: BlockPool,
+                 table: RequestTable, config: PoolConfig) -> None:
+        self.spec = spec
+        self.group_id = group_id
+        self.block_size = spec.block_size * config.dcp_world_size
+        self.pool = pool
+        self.table = table
+        self.enable_caching = config.enable_caching
+        self.use_eagle = config.use_eagle
+        # Tokens of this group's block per request hash (hybrid block sizes).
+        self.hash_stride = self.block_size // config.hash_block_size or 1
+        self.req_to_blocks: dict[str, list[int]] = {}
+        self.num_cached_block: dict[str, int] = {}
+
+    # -- entries -------------------------------------------------------------
+    def _entry(self, request_id: str) -> list[int]:
+        blocks = self.req_to_blocks.get(request_id)
+        if blocks is None:
+            blocks = self.req_to_blocks[request_id] = []
+            self.table.write_blocks(request_id, self.group_id, 0, blocks)
+        return blocks
+
+    def _extend(self, request_id: str, blocks: list[int], new: list[int]) -> None:
+        start = len(blocks)
+        blocks.extend(new)
+        self.table.write_blocks(request_id, self.group_id, start, new)
+
+    def _set_num_cached(self, request_id: str, n: int) -> None:
+        self.num_cached_block[request_id] = n
+        self.table.write_num_cached(request_id, self.group_id, n)
+
+    def group_hashes(self, block_hashes: list[bytes]) -> list[bytes]:
+        """The request's hashes at this group's block granularity: for a block
+        of k hash-blocks, the hash of its last hash-block (the chain makes it
+        identify the whole prefix, so it is as good a key as the
+        concatenation of all k)."""
+        k = self.hash_stride
+        return block_hashes if k == 1 else block_hashes[k - 1::k]
+
+    # -- allocation ----------------------------------------------------------
+    def extra_tokens(self) -> int:
+        """Tokens of extra slots this type allocates beyond the need."""
+        return 0
+
+    def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int,
+                                   new_computed_blocks: Sequence[int],
+                                   total_computed_tokens: int) -> int:
+        """Blocks the pool must supply (new blocks plus hits that would leave
+        the free queue) to give the request `num_tokens` slots."""
+        bs = self.block_size
+        num_required = -(-(num_tokens + self.extra_tokens()) // bs)
+        num_req_blocks = len(self.req_to_blocks.get(request_id, ()))
+        if request_id in self.num_cached_block:
+            # A running request: no new hits; speculative rejections can leave
+            # it holding more than it now needs.
+            return max(num_required - num_req_blocks, 0)
+        num_skipped_blocks = self.get_num_skipped_tokens(total_computed_tokens) // bs
+        num_new = max(num_required - max(num_skipped_blocks,
+                                         len(new_computed_blocks) + num_req_blocks), 0)
+        # Hits below the window are not taken; hits sitting in the free queue
+        # leave it when touched, so they count against the free blocks.
+        skip = max(0, num_skipped_blocks - num_req_blocks)
+        ref = self.pool._ref
+        num_evictable = 0
+        for b in new_computed_blocks[skip:]:
+            if b and ref[b] == 0:
+                num_evictable += 1
+        return num_new + num_evictable
+
+    def allocate_new_computed_blocks(self, request_id: str,
+                                     new_computed_blocks: Sequence[int],
+                                     num_local_computed_tokens: int,
+                                     num_external_computed_tokens: int) -> None:
+        """Adopt the prefix-cache hits of a new request (nulls below its
+        window), then allocate blocks for externally computed tokens."""
+        if request_id in self.num_cached_block:
+            return  # a running request has no new hits
+        blocks = self._entry(request_id)
+        bs = self.block_size
+        total = num_local_computed_tokens + num_external_computed_tokens
+        num_skipped_tokens = self.get_num_skipped_tokens(total)
+        num_skipped_blocks = num_skipped_tokens // bs
+        if num_skipped_blocks > 0:
+            new_computed_blocks = new_computed_blocks[num_skipped_blocks:]
+            num_external_computed_tokens = min(total - num_skipped_tokens,
+                                               num_external_computed_tokens)
+        if self.enable_caching:
+            self.pool.touch(new_computed_blocks)
+        self._extend(request_id, blocks,
+                     [NULL_BLOCK] * num_skipped_blocks + list(new_computed_blocks))
+        # Hits (and skipped nulls) are cached already.
+        self._set_num_cached(request_id, len(blocks))
+        if num_external_computed_tokens > 0:
+            self._extend(request_id, blocks,
+                         self.pool.get_new_blocks(-(-total // bs) - len(blocks)))
+
+    def allocate_new_blocks(self, request_id: str, num_tokens: int) -> list[int]:
+        """Grow the request to `num_tokens` slots; returns the new blocks."""
+        blocks = self._entry(request_id)
+        num_new = -(-(num_tokens + self.extra_tokens()) // self.block_size) - len(blocks)
+        if num_new <= 0:
+            return []
+        new = self.pool.get_new_blocks(num_new)
+        self._extend(request_id, blocks, new)
+        return new
+
+    def blocks_after_allocation(self, request_id: str, num_tokens: int,
+                                num_new_computed: int, total_computed_tokens: int) -> int:
+        """An upper bound on the request's block count after an allocation
+        (checked against the request-table row before anything changes)."""
+        bs = self.block_size
+        held = len(self.req_to_blocks.get(request_id, ()))
+        return max(held + num_new_computed,
+                   -(-total_computed_tokens // bs),
+                   -(-(num_tokens + self.extra_tokens()) // bs))
+
+    # -- caching -------------------------------------------------------------
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+        """Commit the request's full blocks up to `num_tokens` to the cache."""
+        rid = request.request_id
+        num_cached = self.num_cached_block.get(rid, 0)
+        num_full = num_tokens // self.block_size
+        if num_cached >= num_full:
+            return
+        blocks = self._entry(rid)
+        k = self.hash_stride
+        hashes = request.block_hashes
+        assert len(hashes) >= num_full * k, "block hashes lag behind the tokens"
+        pool, g = self.pool, self.group_id
+        # A request may hold fewer blocks than `num_tokens` covers: cache
+        # what it holds.
+        for i in range(num_cached, min(num_full, len(blocks))):
+            b = blocks[i]
+            if b:  # null placeholders (out of window) are never cached
+                pool.cache_block(b, hashes[i * k + k - 1], g)
+        self._set_num_cached(rid, num_full)
+
+    # -- freeing -------------------------------------------------------------
+    def free(self, request_id: str) -> None:
+        """Free the request's blocks, tail first (so the tail is evicted first)."""
+        blocks = self.req_to_blocks.pop(request_id, None)
+        if blocks:
+            self.pool.free_blocks(reversed(blocks))
+        self.num_cached_block.pop(request_id, None)
+        self.table.drop(request_id, self.group_id)
+
+    def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
+        """Tokens no longer attended to once `num_computed_tokens` are done."""
+        return 0
+
+    def remove_skipped_blocks(self, request_id: str, total_computed_tokens: int) -> None:
+        """Free the blocks that fell out of the attention window, replacing
+        them with the null block."""
+        num_skipped_tokens = self.get_num_skipped_tokens(total_computed_tokens)
+        if num_skipped_tokens <= 0:
+            return
+        blocks = self._entry(request_id)
+        n = min(num_skipped_tokens // self.block_size, len(blocks))
+        removed = []
+        write_null = self.table.write_null
+        for i in range(n - 1, -1, -1):
+            b = blocks[i]
+            if b == NULL_BLOCK:
+                break  # everything before it was trimmed by an earlier call
+            removed.append(b)
+            blocks[i] = NULL_BLOCK
+            write_null(request_id, self.group_id, i)
+        if removed:
+            self.pool.free_blocks(removed)
+
+    # -- prefix cache hits ---------------------------------------------------
+    def get_num_common_prefix_blocks(self, request_id: str) -> int:
+        return 0
+
+    def find_longest_cache_hit(self, hashes: list[bytes], max_length: int,
+                               group_ids: list[int], alignment: int) -> list[list[int]]:
+        """Longest hit (per group of `group_ids`) of at most `max_length`
+        tokens, a multiple of `alignment`; `hashes` are at this group's
+        granularity."""
+        raise NotImplementedError
+
+
+class FullAttentionManager(SingleTypeManager):
+    """Full attention, MLA and sink-full attention."""
+
+    def find_longest_cache_hit(self, hashes, max_length, group_ids, alignment):
+        bs = self.block_size
+        n = min(max_length // bs, len(hashes))
+        pool = self.pool
+        if len(group_ids) == 1:
+            lookup = pool._maps[group_ids[0]].get
+            hit = []
+            for i in range(n):
+                b = lookup(hashes[i])
+                if b is None:
+                    break
+                hit.append(b if b.__class__ is int else next(iter(b)))
+            computed = [hit]
+        else:
+            computed = [[] for _ in group_ids]
+            for i in range(n):
+                blocks = pool.get_cached_block(hashes[i], group_ids)
+                if blocks is None:
+                    break
+                for c, b in zip(computed, blocks):
+                    c.append(b)
+        if self.use_eagle and computed[0]:
+            for c in computed:
+                c.pop()
+        if bs != alignment:
+            keep = len(computed[0]) * bs // alignment * alignment // bs
+            for c in computed:
+                del c[keep:]
+        return computed
+
+    def get_num_common_prefix_blocks(self, request_id: str) -> int:
+        blocks = self._entry(request_id)
+        num_reqs = len(self.req_to_blocks)
+        ref = self.pool._ref
+        n = 0
+        for b in blocks:
+            if ref[b] != num_reqs:
+                break
+            n += 1
+        return n
+
+
+class SlidingWindowManager(SingleTypeManager):
+    def __init__(self, spec: SlidingWindowSpec, *args) -> None:
+        super().__init__(spec, *args)
+        self.sliding_window = spec.sliding_window
+
+    def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
+        return max(0, num_computed_tokens - self.sliding_window + 1)
+
+    def find_longest_cache_hit(self, hashes, max_length, group_ids, alignment):
+        bs = self.block_size
+        pool = self.pool
+        # Contiguous blocks needed: the window minus the token being computed;
+        # EAGLE needs one more, dropped at the end.
+        needed = -(-(self.sliding_window - 1) // bs) + (1 if self.use_eagle else 0)
+        max_blocks = max_length // bs
+        computed = [[NULL_BLOCK] * max_blocks for _ in group_ids]
+        run = 0
+        found = False
+        # Right to left: stop at the first long-enough run of hits.
+        for i in range(max_blocks - 1, -1, -1):
+            blocks = pool.get_cached_block(hashes[i], group_ids)
+            if blocks is None:
+                run = 0
+                continue
+            if run == 0 and bs != alignment and (i + 1) * bs % alignment:
+                continue  # a hit must end on an aligned boundary
+            for c, b in zip(computed, blocks):
+                c[i] = b
+            run += 1
+            if run >= needed:
+                for c in computed:
+                    del c[i + run:]
+                found = True
+                break
+        if not found:
+            # Only a run starting at block 0 counts as a (short) hit.
+            for c in computed:
+                del c[run:]
+            if bs != alignment:
+                keep = len(computed[0]) * bs // alignment * alignment // bs
+                for c in computed:
+                    del c[keep:]
+        if self.use_eagle and computed[0]:
+            for c in computed:
+                c.pop()
+        return computed
+
+
+class ChunkedLocalManager(SingleTypeManager):
+    def __init__(self, spec: ChunkedLocalSpec, *args) -> None:
+        super().__init__(spec, *args)
+        self.chunk = spec.attention_chunk_size
+
+    def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
+        return num_computed_tokens // self.chunk * self.chunk
+
+    def find_longest_cache_hit(self, hashes, max_length, group_ids, alignment):
+        bs = self.block_size
+        pool = self.pool
+        max_blocks = max_length // bs
+        # Blocks before the current chunk count as computed (null).
+        start = (max_length // self.chunk * self.chunk if max_length > 0 else 0) // bs
+        computed = [[NULL_BLOCK] * start for _ in group_ids]
+        for i in range(start, max_blocks):
+            blocks = pool.get_cached_block(hashes[i], group_ids)
+            if blocks is None:
+                break
+            for c, b in zip(computed, blocks):
+                c.append(b)
+        return computed
+
+
+class MambaManager(SingleTypeManager):
+    def __init__(self, spec: MambaSpec, *args) -> None:
+        super().__init__(spec, *args)
+        self._extra = spec.block_size * spec.num_speculative_blocks
+
+    def extra_tokens(self) -> int:
+        return self._extra
+
+    def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
+        # Only the state after the last computed token is needed.
+        return num_computed_tokens - 1
+
+    def find_longest_cache_hit(self, hashes, max_length, group_ids, alignment):
+        bs = self.block_size
+        pool = self.pool
+        computed: list[list[int]] = [[] for _ in group_ids]
+        # The last cached state wins: search right to left.
+        for i in range(max_length // bs - 1, -1, -1):
+            blocks = pool.get_cached_block(hashes[i], group_ids)
+            if blocks is None:
+                continue
+            if bs != alignment and (i + 1) * bs % alignment:
+                continue
+            for c, b in zip(computed, blocks):
+                c.extend([NULL_BLOCK] * i)
+                c.append(b)
+            break
+        return computed
+
+
+class CrossAttentionManager(SingleTypeManager):
+    """Encoder states: one allocation per request, never cached or shared."""
+
+    def allocate_new_computed_blocks(self, request_id, new_computed_blocks,
+                                     num_local_computed_tokens,
+                                     num_external_computed_tokens) -> None:
+        return
+
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+        return  # configs with a cross-attention group never cache
+
+
+MANAGER_CLASSES: dict[type, type[SingleTypeManager]] = {
+    FullSpec: FullAttentionManager,
+    MLASpec: FullAttentionManager,
+    SinkFullSpec: FullAttentionManager,
+    SlidingWindowSpec: SlidingWindowManager,
+    ChunkedLocalSpec: ChunkedLocalManager,
+    MambaSpec: MambaManager,
+    CrossAttentionSpec: CrossAttentionManager,
+}
+
+
+def make_manager(spec: GroupSpec, group_id: int, pool: BlockPool,
+                 table: RequestTable, config: PoolConfig) -> SingleTypeManager:
+    return MANAGER_CLASSES[type(spec)](spec, group_id, pool, table, config)

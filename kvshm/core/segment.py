@@ -1,0 +1,396 @@
+"""The pool's shared-memory segment: layout, create / attach / close / unlink.
+
+All pool state lives here in flat arrays (no Python object per block), so a
+pool of millions of blocks starts in milliseconds and a restarted
+coordinator, `kvshm check` or a stats reader can attach and read it.
+
+Layout (every array 64-byte aligned, native byte order):
+
+    header            fixed fields (see _HEADER) + the config as JSON
+    ref_cnt           int32[num_blocks]
+    next_delta        int32[num_blocks + 1]  free-queue links, stored relative
+    prev_delta        int32[num_blocks + 1]  to the block's own id; slot
+                                             `num_blocks` is the queue sentinel
+    free_stamp        int64[num_blocks]   order in which blocks joined the free
+                                          queue (0 = initial order by id)
+    cache_stamp       int64[num_blocks]   order in which blocks were cached
+    hash_group        uint16[num_blocks]  group the cached hash belongs to
+    flags             uint8[num_blocks]   FLAG_NULL | FLAG_CACHED | FLAG_SINK
+    hashes            uint8[num_blocks * 32] cached block hash (zero padded)
+    slot_meta         int32[max_num_seqs * 4]  rid length, owner, in use, -
+    slot_rid          uint8[max_num_seqs * 64] request id (utf-8)
+    slot_counts       int32[max_num_seqs * groups * 2]  per group: number of
+                                          blocks (-1: no entry), number of
+                                          cached blocks (-1: not tracked)
+    table[g]          int32[max_num_seqs * row_capacity(g)] block ids
+
+Links are relative (next = id + next_delta[id]) so that a fresh queue
+[0, 1, ..., n-1] is a constant byte pattern: filling 1M links is a memset,
+not a million Python stores.
+
+Writers bracket every mutation with `begin_mutation()` / `end_mutation()`:
+`mutation_seq` is odd while a mutation is in progress, so a reader that sees
+the same even value before and after its read got a consistent snapshot.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import struct
+import sys
+import time
+import mmap
+import secrets
+
+import _posixshmem
+
+from kvshm.core.errors import SegmentError, ShmSpaceError
+from kvshm.core.hashing import HASH_SLOT_BYTES
+from kvshm.core.specs import PoolConfig
+
+MAGIC = b"KVSHMPL\0"
+LAYOUT_VERSION = 1
+RID_BYTES = 64
+SLOT_META_FIELDS = 4  # rid_len, owner session, in_use, reserved
+SHM_DIR = "/dev/shm"
+
+FLAG_NULL = 1
+FLAG_CACHED = 2
+FLAG_SINK = 4
+
+# name -> (offset, struct format)
+_HEADER = {
+    "magic": (0, "8s"),
+    "layout_version": (8, "I"),
+    "header_size": (12, "I"),
+    "config_fingerprint": (16, "32s"),
+    "hash_fingerprint": (48, "16s"),
+    "num_blocks": (64, "Q"),
+    "num_groups": (72, "I"),
+    "num_slots": (76, "I"),
+    "generation": (80, "Q"),
+    "mutation_seq": (88, "Q"),
+    "coordinator_pid": (96, "Q"),
+    # Counters written together by end_mutation() (one pack of _COUNTERS).
+    "num_free_blocks": (104, "Q"),
+    "free_stamp": (112, "Q"),
+    "cache_stamp": (120, "Q"),
+    "num_cached_blocks": (128, "Q"),
+    "queries": (136, "Q"),
+    "hits": (144, "Q"),
+    "query_tokens": (152, "Q"),
+    "hit_tokens": (160, "Q"),
+    "num_requests": (168, "Q"),
+    "created_ns": (176, "Q"),
+    "config_len": (184, "I"),
+}
+_HEADER_FIXED = 256
+COUNTER_FIELDS = ("num_free_blocks", "free_stamp", "cache_stamp", "num_cached_blocks",
+                  "queries", "hits", "query_tokens", "hit_tokens", "num_requests")
+_COUNTERS = struct.Struct(f"{len(COUNTER_FIELDS)}Q")
+_COUNTERS_OFFSET = _HEADER["num_free_blocks"][0]
+
+
+def _align(n: int, to: int = 64) -> int:
+    return -(-n // to) * to
+
+
+def config_fingerprint(config: PoolConfig) -> bytes:
+    return hashlib.sha256(config.to_json()).digest()
+
+
+class Layout:
+    """Byte offsets of every array for one config."""
+
+    def __init__(self, config: PoolConfig) -> None:
+        self.config = config
+        n = config.num_blocks
+        slots = config.max_num_seqs
+        ngroups = len(config.groups)
+        self.config_json = config.to_json()
+        self.header_size = _align(_HEADER_FIXED + len(self.config_json))
+        self.widths = [config.row_capacity(g) for g in range(ngroups)]
+        arrays: list[tuple[str, int]] = [
+            ("ref_cnt", 4 * n),
+            ("next_delta", 4 * (n + 1)),
+            ("prev_delta", 4 * (n + 1)),
+            ("free_stamp", 8 * n),
+            ("cache_stamp", 8 * n),
+            ("hash_group", 2 * n),
+            ("flags", n),
+            ("hashes", HASH_SLOT_BYTES * n),
+            ("slot_meta", 4 * SLOT_META_FIELDS * slots),
+            ("slot_rid", RID_BYTES * slots),
+            ("slot_counts", 4 * 2 * ngroups * slots),
+        ]
+        arrays += [(f"table{g}", 4 * slots * w) for g, w in enumerate(self.widths)]
+        self.offsets: dict[str, tuple[int, int]] = {}
+        off = self.header_size
+        for name, size in arrays:
+            self.offsets[name] = (off, size)
+            off = _align(off + size)
+        self.size = off
+        self.block_bytes = sum(self.offsets[k][1] for k in (
+            "ref_cnt", "next_delta", "prev_delta", "free_stamp", "cache_stamp",
+            "hash_group", "flags", "hashes"))
+        self.table_bytes = self.size - self.header_size - self.block_bytes
+
+
+_FORMATS = {"ref_cnt": "i", "next_delta": "i", "prev_delta": "i", "free_stamp": "q",
+            "cache_stamp": "q", "hash_group": "H", "flags": "B", "hashes": "B",
+            "slot_meta": "i", "slot_rid": "B", "slot_counts": "i"}
+
+
+class PoolSegment:
+    """An open pool segment and typed memoryviews over its arrays.
+
+    Use `PoolSegment.create(config, name)` in the owning process and
+    `PoolSegment.attach(name)` everywhere else.  Only the creator unlinks.
+    """
+
+    def __init__(self, shm: "_Shm", layout: Layout, owner: bool) -> None:
+        self._shm = shm
+        self.layout = layout
+        self.config = layout.config
+        self.owner = owner
+        self.name = shm.name
+        buf = shm.buf
+        self._views: list[memoryview] = []
+        self.header = buf[:layout.header_size]
+        self._views.append(self.header)
+        for name, (off, size) in layout.offsets.items():
+            fmt = "i" if name.startswith("table") else _FORMATS[name]
+            view = buf[off:off + size].cast(fmt)
+            self._views.append(view)
+            setattr(self, name, view)
+        self.tables = [getattr(self, f"table{g}") for g in range(len(layout.widths))]
+        self.closed = False
+
+    # -- header --------------------------------------------------------------
+    def get(self, field: str):
+        off, fmt = _HEADER[field]
+        value = struct.unpack_from(fmt, self.header, off)[0]
+        return value
+
+    def set(self, field: str, value) -> None:
+        off, fmt = _HEADER[field]
+        struct.pack_into(fmt, self.header, off, value)
+
+    # -- lifecycle -------------------------------------------------------------
+    @classmethod
+    def create(cls, config: PoolConfig, name: str | None = None) -> "PoolSegment":
+        """Create and initialise a segment for `config` (validated here).
+
+        Raises ShmSpaceError when /dev/shm is too small and SegmentError when
+        `name` already exists.
+        """
+        config.validate()
+        layout = Layout(config)
+        check_shm_space(layout.size)
+        try:
+            shm = _Shm.create(name, layout.size)
+        except FileExistsError:
+            raise SegmentError(
+                f"shared-memory segment {name!r} already exists; a live coordinator "
+                f"may own it, or remove a stale one with `kvshm rm {name}`"
+            ) from None
+        seg = cls(shm, layout, owner=True)
+        seg._initialise()
+        return seg
+
+    @classmethod
+    def attach(cls, name: str, expect_config: PoolConfig | None = None) -> "PoolSegment":
+        """Attach to an existing segment; validates magic, version, and (when
+        given) that the segment holds exactly `expect_config`."""
+        try:
+            shm = _Shm.open(name)
+        except FileNotFoundError:
+            raise SegmentError(f"no shared-memory segment named {name!r}") from None
+        try:
+            layout = _read_layout(shm)
+            if expect_config is not None and layout.config != expect_config:
+                raise SegmentError(
+                    f"segment {name!r} holds another pool config "
+                    f"({layout.config.to_json().decode()})"
+                )
+        except BaseException:
+            shm.close()
+            raise
+        return cls(shm, layout, owner=False)
+
+    def close(self) -> None:
+        """Release this process's mapping (idempotent)."""
+        if self.closed:
+            return
+        self.closed = True
+        for v in self._views:
+            v.release()
+        self._views.clear()
+        self._shm.close()
+
+    def unlink(self) -> None:
+        """Remove the segment name; only the creator may."""
+        if not self.owner:
+            raise SegmentError("only the process that created a segment unlinks it")
+        self._shm.unlink()
+
+    def __enter__(self) -> "PoolSegment":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+        if self.owner:
+            self.unlink()
+
+    # -- initial state ---------------------------------------------------------
+    def _initialise(self) -> None:
+        lay = self.layout
+        cfg = self.config
+        n = cfg.num_blocks
+        h = self.header
+        h[:_HEADER_FIXED] = bytes(_HEADER_FIXED)
+        h[_HEADER_FIXED:_HEADER_FIXED + len(lay.config_json)] = lay.config_json
+        # The free queue [0, 1, ..., n-1]: every next link is +1, every prev
+        # link -1; only the ends point at the sentinel (id n).
+        nxt, prv = self.next_delta, self.prev_delta
+        nxt.cast("B")[:] = b"\x01\x00\x00\x00" * (n + 1) if sys.byteorder == "little" \
+            else b"\x00\x00\x00\x01" * (n + 1)
+        prv.cast("B")[:] = b"\xff" * (4 * (n + 1))
+        nxt[n] = -n          # sentinel -> block 0 (head)
+        prv[0] = n           # block 0 -> sentinel
+        # next[n-1] == +1 -> sentinel, prev[sentinel] == -1 -> n-1: already set.
+        counts = self.slot_counts
+        counts.cast("B")[:] = b"\xff" * (4 * len(counts))
+        for field, value in (
+            ("layout_version", LAYOUT_VERSION),
+            ("header_size", lay.header_size),
+            ("config_fingerprint", config_fingerprint(cfg)),
+            ("num_blocks", n),
+            ("num_groups", len(cfg.groups)),
+            ("num_slots", cfg.max_num_seqs),
+            ("num_free_blocks", n),
+            ("free_stamp", 1),
+            ("cache_stamp", 1),
+            ("created_ns", time.time_ns()),
+            ("config_len", len(lay.config_json)),
+            ("coordinator_pid", os.getpid()),
+        ):
+            self.set(field, value)
+        from kvshm.core.hashing import hash_fingerprint
+        self.set("hash_fingerprint", hash_fingerprint(cfg.hash_algorithm, cfg.hash_seed).encode())
+        self.set("magic", MAGIC)  # last: a reader never sees a half-made header
+
+    # -- mutation bracket ----------------------------------------------------
+    def begin_mutation(self) -> None:
+        off = _HEADER["mutation_seq"][0]
+        seq = struct.unpack_from("Q", self.header, off)[0]
+        struct.pack_into("Q", self.header, off, seq | 1)
+
+    def end_mutation(self, *counters: int) -> None:
+        """Publish the counters (in COUNTER_FIELDS order) and close the
+        mutation."""
+        off = _HEADER["mutation_seq"][0]
+        seq = struct.unpack_from("Q", self.header, off)[0]
+        _COUNTERS.pack_into(self.header, _COUNTERS_OFFSET, *counters)
+        struct.pack_into("Q", self.header, off, (seq | 1) + 1)
+
+    def read_counters(self) -> dict[str, int]:
+        """A consistent snapshot of the counters (retries torn reads)."""
+        off = _HEADER["mutation_seq"][0]
+        while True:
+            before = struct.unpack_from("Q", self.header, off)[0]
+            values = _COUNTERS.unpack_from(self.header, _COUNTERS_OFFSET)
+            after = struct.unpack_from("Q", self.header, off)[0]
+            if before == after and not before & 1:
+                return dict(zip(COUNTER_FIELDS, values))
+            time.sleep(0)
+
+    # -- request slots ---------------------------------------------------------
+    def slot_request_id(self, slot: int) -> str:
+        n = self.slot_meta[slot * SLOT_META_FIELDS]
+        base = slot * RID_BYTES
+        return bytes(self.slot_rid[base:base + n]).decode()
+
+
+def _read_layout(shm: "_Shm") -> Layout:
+    buf = shm.buf
+    if len(buf) < _HEADER_FIXED or bytes(buf[:8]) != MAGIC:
+        raise SegmentError(f"segment {shm.name!r} is not a kvshm pool (bad magic)")
+    version = struct.unpack_from("I", buf, _HEADER["layout_version"][0])[0]
+    if version != LAYOUT_VERSION:
+        raise SegmentError(
+            f"segment {shm.name!r} has layout version {version}; this kvshm "
+            f"reads version {LAYOUT_VERSION}"
+        )
+    clen = struct.unpack_from("I", buf, _HEADER["config_len"][0])[0]
+    raw = bytes(buf[_HEADER_FIXED:_HEADER_FIXED + clen])
+    try:
+        config = PoolConfig.from_json(raw)
+    except Exception as e:
+        raise SegmentError(f"segment {shm.name!r} has an unreadable config: {e}") from None
+    fp = bytes(buf[_HEADER["config_fingerprint"][0]:][:32])
+    if fp != config_fingerprint(config):
+        raise SegmentError(f"segment {shm.name!r}: config fingerprint mismatch")
+    layout = Layout(config)
+    if len(buf) < layout.size:
+        raise SegmentError(
+            f"segment {shm.name!r} is {len(buf)} bytes, its config needs {layout.size}"
+        )
+    return layout
+
+
+class _Shm:
+    """A POSIX shared-memory object mapped read-write.
+
+    Deliberately not multiprocessing.shared_memory.SharedMemory: on Python
+    3.11 that registers every attach with the resource tracker, which unlinks
+    the segment when an attaching process exits, and the tracker process
+    itself costs tens of milliseconds to start.  kvshm owns the lifecycle:
+    the creator unlinks, nobody else does.
+    """
+
+    def __init__(self, name: str, fd: int) -> None:
+        self.name = name
+        try:
+            self._mmap = mmap.mmap(fd, os.fstat(fd).st_size)
+        finally:
+            os.close(fd)
+        self.buf = memoryview(self._mmap)
+
+    @classmethod
+    def create(cls, name: str | None, size: int) -> "_Shm":
+        name = name or f"kvshm-{secrets.token_hex(6)}"
+        fd = _posixshmem.shm_open("/" + name, os.O_CREAT | os.O_EXCL | os.O_RDWR, mode=0o600)
+        try:
+            os.ftruncate(fd, size)
+        except OSError:
+            os.close(fd)
+            _posixshmem.shm_unlink("/" + name)
+            raise
+        return cls(name, fd)
+
+    @classmethod
+    def open(cls, name: str) -> "_Shm":
+        return cls(name, _posixshmem.shm_open("/" + name, os.O_RDWR, mode=0o600))
+
+    def close(self) -> None:
+        self.buf.release()
+        self._mmap.close()
+
+    def unlink(self) -> None:
+        try:
+            _posixshmem.shm_unlink("/" + self.name)
+        except FileNotFoundError:
+            pass
+
+
+def check_shm_space(needed: int, path: str = SHM_DIR) -> None:
+    """Raise ShmSpaceError if `path` has fewer than `needed` free bytes."""
+    try:
+        free = shutil.disk_usage(path).free
+    except OSError:
+        return  # no /dev/shm to inspect (not Linux): let the OS decide
+    if free < needed:
+        raise ShmSpaceError(needed, free, path)

@@ -1,0 +1,324 @@
+"""KV-cache group specs and the pool config, with the rules vLLM enforces.
+
+A config loads from a conformance-trace config line, a JSON file or a TOML
+file; `PoolConfig.validate()` names the field and the rule that is broken.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import tomllib
+from pathlib import Path
+from typing import Any, Union
+
+import msgspec
+
+from kvshm.core.errors import ConfigError
+
+
+class FullSpec(msgspec.Struct, frozen=True, tag="full", tag_field="type"):
+    """Full attention."""
+
+    block_size: int
+
+
+class MLASpec(msgspec.Struct, frozen=True, tag="mla", tag_field="type"):
+    """Multi-head latent attention: allocates like full attention, but is a
+    distinct spec (never looked up together with a `FullSpec` group)."""
+
+    block_size: int
+
+
+class SinkFullSpec(msgspec.Struct, frozen=True, tag="sink_full", tag_field="type"):
+    """Full attention plus `sink_len // block_size` permanently reserved blocks."""
+
+    block_size: int
+    sink_len: int
+
+
+class SlidingWindowSpec(
+    msgspec.Struct, frozen=True, tag="sliding_window", tag_field="type"
+):
+    """Sliding-window attention over the last `sliding_window` tokens."""
+
+    block_size: int
+    sliding_window: int
+
+
+class ChunkedLocalSpec(
+    msgspec.Struct, frozen=True, tag="chunked_local", tag_field="type"
+):
+    """Chunked local attention: a token attends within its chunk only."""
+
+    block_size: int
+    attention_chunk_size: int
+
+
+class MambaSpec(msgspec.Struct, frozen=True, tag="mamba", tag_field="type"):
+    """Mamba (linear attention) state; keeps only the last computed block."""
+
+    block_size: int
+    num_speculative_blocks: int = 0
+
+
+class CrossAttentionSpec(
+    msgspec.Struct, frozen=True, tag="cross_attention", tag_field="type"
+):
+    """Encoder-decoder cross attention: one static allocation per request."""
+
+    block_size: int
+
+
+GroupSpec = Union[
+    FullSpec,
+    MLASpec,
+    SinkFullSpec,
+    SlidingWindowSpec,
+    ChunkedLocalSpec,
+    MambaSpec,
+    CrossAttentionSpec,
+]
+
+# Specs whose hit search is the left-to-right full-attention scan (vLLM's
+# FullAttentionSpec and its subclasses).
+FULL_ATTENTION_TYPES = (FullSpec, MLASpec, SinkFullSpec)
+
+HASH_ALGORITHMS = ("sha256", "xxh3_128")
+
+
+class PoolConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """Everything that defines a pool; two processes agree on a pool iff their
+    configs are equal (see `fingerprint`).
+
+    num_blocks counts the null block (id 0).  max_num_seqs is the number of
+    request slots in the shared-memory request table; max_encoder_len bounds
+    the cross-attention allocation of one request (defaults to
+    max_model_len).
+    """
+
+    num_blocks: int
+    hash_block_size: int
+    max_model_len: int
+    groups: tuple[GroupSpec, ...]
+    enable_caching: bool = True
+    use_eagle: bool = False
+    dcp_world_size: int = 1
+    max_num_seqs: int = 1024
+    max_encoder_len: int | None = None
+    hash_algorithm: str = "sha256"
+    hash_seed: str = "kvshm-0"
+
+    # -- derived values ------------------------------------------------------
+    def effective_block_size(self, group: int) -> int:
+        """Tokens per block of `group` as the allocator sees it (block_size
+        times dcp_world_size)."""
+        return self.groups[group].block_size * self.dcp_world_size
+
+    @property
+    def num_sink_blocks(self) -> int:
+        return sum(
+            g.sink_len // (g.block_size * self.dcp_world_size)
+            for g in self.groups
+            if isinstance(g, SinkFullSpec)
+        )
+
+    @property
+    def encoder_len(self) -> int:
+        return self.max_model_len if self.max_encoder_len is None else self.max_encoder_len
+
+    def row_capacity(self, group: int) -> int:
+        """Most blocks one request can hold in `group`."""
+        spec = self.groups[group]
+        bs = self.effective_block_size(group)
+        if isinstance(spec, CrossAttentionSpec):
+            return -(-self.encoder_len // bs)
+        extra = spec.num_speculative_blocks if isinstance(spec, MambaSpec) else 0
+        return -(-self.max_model_len // bs) + extra
+
+    def to_dict(self) -> dict[str, Any]:
+        return msgspec.to_builtins(self)
+
+    def to_json(self) -> bytes:
+        """Canonical encoding: equal configs give equal bytes."""
+        return msgspec.json.encode(self, order="sorted")
+
+    def replace(self, **changes: Any) -> "PoolConfig":
+        return msgspec.structs.replace(self, **changes)
+
+    # -- validation ----------------------------------------------------------
+    def validate(self) -> "PoolConfig":
+        """Check every rule; return self or raise `ConfigError`."""
+        _positive("num_blocks", self.num_blocks)
+        if self.num_blocks < 2:
+            raise ConfigError("num_blocks", "must be at least 2 (block 0 is the null block)")
+        _positive("hash_block_size", self.hash_block_size)
+        _positive("max_model_len", self.max_model_len)
+        _positive("max_num_seqs", self.max_num_seqs)
+        if self.max_encoder_len is not None:
+            _positive("max_encoder_len", self.max_encoder_len)
+        if self.dcp_world_size not in (1, 2, 4, 8):
+            raise ConfigError("dcp_world_size", "must be 1, 2, 4 or 8")
+        if self.hash_algorithm not in HASH_ALGORITHMS:
+            raise ConfigError(
+                "hash_algorithm", f"must be one of {', '.join(HASH_ALGORITHMS)}"
+            )
+        if not self.groups:
+            raise ConfigError("groups", "at least one KV-cache group is required")
+        if len(self.groups) > 255:
+            raise ConfigError("groups", "at most 255 groups")
+        for i, g in enumerate(self.groups):
+            self._validate_group(i, g)
+        self._validate_combination()
+        if self.num_sink_blocks >= self.num_blocks - 1:
+            raise ConfigError(
+                "num_blocks",
+                f"must exceed 1 + the {self.num_sink_blocks} sink blocks",
+            )
+        return self
+
+    def _validate_group(self, i: int, g: GroupSpec) -> None:
+        where = f"groups[{i}]"
+        _positive(f"{where}.block_size", g.block_size)
+        if isinstance(g, SlidingWindowSpec):
+            _positive(f"{where}.sliding_window", g.sliding_window)
+        elif isinstance(g, ChunkedLocalSpec):
+            _positive(f"{where}.attention_chunk_size", g.attention_chunk_size)
+        elif isinstance(g, SinkFullSpec):
+            _positive(f"{where}.sink_len", g.sink_len)
+            bs = g.block_size * self.dcp_world_size
+            if g.sink_len % bs:
+                raise ConfigError(
+                    f"{where}.sink_len",
+                    f"must be a multiple of the block size {bs} (got {g.sink_len})",
+                )
+        elif isinstance(g, MambaSpec):
+            if g.num_speculative_blocks < 0:
+                raise ConfigError(f"{where}.num_speculative_blocks", "must be >= 0")
+        elif isinstance(g, CrossAttentionSpec) and self.enable_caching:
+            raise ConfigError(
+                f"{where}.type",
+                "cross_attention groups require enable_caching = false "
+                "(encoder states are never prefix-cached)",
+            )
+        if self.dcp_world_size > 1 and isinstance(
+            g, (SlidingWindowSpec, ChunkedLocalSpec, MambaSpec)
+        ):
+            raise ConfigError(
+                "dcp_world_size",
+                f"{where} ({type(g).__name__}) does not support dcp_world_size > 1",
+            )
+        if self.use_eagle and isinstance(g, ChunkedLocalSpec) and self.enable_caching:
+            raise ConfigError(
+                "use_eagle", f"{where}: EAGLE is not supported with chunked local attention"
+            )
+
+    def _validate_combination(self) -> None:
+        if not self.enable_caching:
+            return
+        if len(self.groups) == 1:
+            bs = self.effective_block_size(0)
+            if self.hash_block_size != bs:
+                raise ConfigError(
+                    "hash_block_size",
+                    f"with one group and caching on it must equal block_size * "
+                    f"dcp_world_size = {bs} (got {self.hash_block_size})",
+                )
+            return
+        if self.dcp_world_size != 1:
+            raise ConfigError(
+                "dcp_world_size", "hybrid models (several groups) need dcp_world_size = 1"
+            )
+        for i, g in enumerate(self.groups):
+            if g.block_size % self.hash_block_size:
+                raise ConfigError(
+                    f"groups[{i}].block_size",
+                    f"must be a multiple of hash_block_size {self.hash_block_size} "
+                    f"in a hybrid model (got {g.block_size})",
+                )
+        distinct = attention_types(self.groups)
+        if len(distinct) < 2:
+            raise ConfigError(
+                "groups",
+                "with caching on, several groups need at least two distinct specs "
+                "(merge identical groups into one)",
+            )
+        lcm = math.lcm(*(spec.block_size for spec, _ in distinct))
+        for spec, ids in distinct:
+            if isinstance(spec, ChunkedLocalSpec) and spec.block_size != lcm:
+                raise ConfigError(
+                    f"groups[{ids[0]}].block_size",
+                    "chunked local attention in a hybrid model needs the block size "
+                    f"to equal the lcm of all block sizes ({lcm})",
+                )
+            if (
+                self.use_eagle
+                and isinstance(spec, SlidingWindowSpec)
+                and spec.block_size != lcm
+            ):
+                raise ConfigError(
+                    f"groups[{ids[0]}].block_size",
+                    "EAGLE with sliding window needs the window group's block size "
+                    f"to equal the lcm of all block sizes ({lcm})",
+                )
+
+    # -- loading -------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], **overrides: Any) -> "PoolConfig":
+        """Build and validate from a mapping (unknown keys are ignored)."""
+        if not isinstance(data, dict):
+            raise ConfigError("config", f"expected a mapping, got {type(data).__name__}")
+        data = {**data, **overrides}
+        try:
+            cfg = msgspec.convert(data, cls)
+        except msgspec.ValidationError as e:
+            raise ConfigError(_path_of(str(e)), str(e)) from None
+        return cfg.validate()
+
+    @classmethod
+    def from_file(cls, path: str | Path, **overrides: Any) -> "PoolConfig":
+        """Load a `.toml` or `.json` file."""
+        path = Path(path)
+        try:
+            raw = path.read_bytes()
+        except OSError as e:
+            raise ConfigError("config", f"cannot read {path}: {e.strerror}") from None
+        try:
+            if path.suffix == ".toml":
+                data = tomllib.loads(raw.decode())
+            else:
+                data = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ConfigError("config", f"{path} is not valid {path.suffix[1:] or 'JSON'}: {e}") from None
+        return cls.from_dict(data, **overrides)
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> "PoolConfig":
+        return cls.from_dict(json.loads(raw))
+
+
+def attention_types(groups: tuple[GroupSpec, ...]) -> list[tuple[GroupSpec, list[int]]]:
+    """Groups with equal specs, in order of first appearance: [(spec, ids)]."""
+    out: list[tuple[GroupSpec, list[int]]] = []
+    for i, g in enumerate(groups):
+        for spec, ids in out:
+            if spec == g:
+                ids.append(i)
+                break
+        else:
+            out.append((g, [i]))
+    return out
+
+
+def _positive(field: str, value: int) -> None:
+    if value <= 0:
+        raise ConfigError(field, f"must be a positive integer (got {value})")
+
+
+def _path_of(message: str) -> str:
+    # msgspec: "Expected `int`, got `str` - at `$.groups[0].block_size`"
+    if " - at `$." in message:
+        return message.rsplit(" - at `$.", 1)[1].rstrip("`")
+    if "`" in message:
+        return message.split("`")[1]
+    return "config"

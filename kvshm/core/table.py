@@ -1,0 +1,117 @@
+"""The request table: each live request's block ids per group, in the segment.
+
+The managers keep Python lists as their working copy and write every change
+through to the request's slot, so the segment alone describes who holds which
+block (for `kvshm check`, stats readers and a restarted coordinator).
+"""
+
+from __future__ import annotations
+
+from array import array
+
+from kvshm.core.errors import InvalidArgument, RequestTableFull
+from kvshm.core.segment import RID_BYTES, SLOT_META_FIELDS, PoolSegment
+
+NO_ENTRY = -1
+
+
+class RequestTable:
+    """Slot assignment and write-through of per-group block lists."""
+
+    def __init__(self, segment: PoolSegment) -> None:
+        cfg = segment.config
+        self.segment = segment
+        self.capacity = cfg.max_num_seqs
+        self.num_groups = len(cfg.groups)
+        self.widths = segment.layout.widths
+        self._meta = segment.slot_meta
+        self._rid = segment.slot_rid
+        self._counts = segment.slot_counts
+        self._tables = segment.tables
+        self.slot_of: dict[str, int] = {}
+        self._free_slots = list(range(self.capacity - 1, -1, -1))
+
+    def __len__(self) -> int:
+        return len(self.slot_of)
+
+    def has_room_for(self, request_id: str) -> bool:
+        return request_id in self.slot_of or bool(self._free_slots)
+
+    def check_room(self, request_id: str) -> None:
+        """Raise RequestTableFull / InvalidArgument if `request_id` could not
+        get a slot."""
+        if request_id in self.slot_of:
+            return
+        if not self._free_slots:
+            raise RequestTableFull(self.capacity)
+        if len(request_id.encode()) > RID_BYTES:
+            raise InvalidArgument(
+                f"request id is {len(request_id.encode())} bytes long, at most {RID_BYTES}"
+            )
+
+    def slot(self, request_id: str) -> int:
+        """The request's slot, assigned on first use."""
+        slot = self.slot_of.get(request_id)
+        if slot is None:
+            self.check_room(request_id)
+            slot = self._free_slots.pop()
+            self.slot_of[request_id] = slot
+            raw = request_id.encode()
+            base = slot * SLOT_META_FIELDS
+            self._meta[base] = len(raw)
+            self._meta[base + 2] = 1
+            self._rid[slot * RID_BYTES:slot * RID_BYTES + len(raw)] = raw
+        return slot
+
+    def release(self, request_id: str) -> None:
+        """Give the slot back once the request holds no entry in any group."""
+        slot = self.slot_of.pop(request_id, None)
+        if slot is None:
+            return
+        base = slot * SLOT_META_FIELDS
+        self._meta[base:base + SLOT_META_FIELDS] = array("i", (0, 0, 0, 0))
+        c = self._counts
+        base = slot * self.num_groups * 2
+        for i in range(base, base + 2 * self.num_groups):
+            c[i] = NO_ENTRY
+        self._free_slots.append(slot)
+
+    def set_owner(self, request_id: str, owner: int) -> None:
+        self._meta[self.slot(request_id) * SLOT_META_FIELDS + 1] = owner
+
+    # -- per-group rows ------------------------------------------------------
+    def write_blocks(self, request_id: str, group: int, start: int, ids: list[int]) -> None:
+        """Row `group` of the request becomes its first `start` ids + `ids`."""
+        slot = self.slot(request_id)
+        w = self.widths[group]
+        end = start + len(ids)
+        assert end <= w, "row capacity is checked before mutating"
+        if ids:
+            base = slot * w
+            self._tables[group][base + start:base + end] = array("i", ids)
+        self._counts[(slot * self.num_groups + group) * 2] = end
+
+    def write_null(self, request_id: str, group: int, index: int) -> None:
+        slot = self.slot_of[request_id]
+        self._tables[group][slot * self.widths[group] + index] = 0
+
+    def write_num_cached(self, request_id: str, group: int, n: int) -> None:
+        slot = self.slot(request_id)
+        self._counts[(slot * self.num_groups + group) * 2 + 1] = n
+
+    def drop(self, request_id: str, group: int) -> None:
+        slot = self.slot_of.get(request_id)
+        if slot is not None:
+            base = (slot * self.num_groups + group) * 2
+            self._counts[base] = NO_ENTRY
+            self._counts[base + 1] = NO_ENTRY
+
+    # -- reading (check, stats, rebuild) -------------------------------------
+    def read_row(self, slot: int, group: int) -> tuple[list[int] | None, int]:
+        """(block ids or None if no entry, num cached or -1)."""
+        base = (slot * self.num_groups + group) * 2
+        n, cached = self._counts[base], self._counts[base + 1]
+        if n == NO_ENTRY:
+            return None, cached
+        w = self.widths[group]
+        return list(self._tables[group][slot * w:slot * w + n]), cached
