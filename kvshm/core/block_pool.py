@@ -15,11 +15,20 @@ and lookups return the earliest cached one.
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Iterable, Sequence
 
 from kvshm.core.errors import InvalidArgument
 from kvshm.core.hashing import HASH_SLOT_BYTES, digest_size
-from kvshm.core.segment import FLAG_CACHED, FLAG_NULL, FLAG_SINK, PoolSegment
+from kvshm.core.segment import (
+    FLAG_CACHED,
+    FLAG_NULL,
+    FLAG_SINK,
+    FREE_WORD as _FREE,
+    SEQ_WORD as _SEQ,
+    STATS_WORD,
+    PoolSegment,
+)
 
 NULL_BLOCK = 0
 _H = HASH_SLOT_BYTES
@@ -59,8 +68,8 @@ class BlockPool:
         self._group = segment.hash_group
         self._flags = segment.flags
         self._hashes = segment.hashes
+        self._words = segment.words
         self._dsz = digest_size(cfg.hash_algorithm)
-        self.num_cached_blocks = 0
         # group id -> {hash: block id | {block id: None, ...}}
         self._maps: list[dict] = [{} for _ in cfg.groups]
         # Prefix-cache statistics: lookups, lookups with a hit, tokens asked
@@ -69,28 +78,38 @@ class BlockPool:
         if attach:
             c = segment.read_counters()
             self.num_free_blocks = c["num_free_blocks"]
-            self._next_free_stamp = c["free_stamp"]
-            self._next_cache_stamp = c["cache_stamp"]
             self.stats = [c["queries"], c["hits"], c["query_tokens"], c["hit_tokens"]]
+            self._next_free_stamp = max(self._free_stamp, default=0) + 1
+            self._next_cache_stamp = max(self._cache_stamp, default=0) + 1
             self.rebuild()
         else:
-            self.num_free_blocks = cfg.num_blocks
             self._next_free_stamp = 1
             self._next_cache_stamp = 1
             # Block 0 becomes the null block, then each sink group takes its
             # blocks from the head of the queue, in group order.
+            self.num_free_blocks = cfg.num_blocks
             self._flags[NULL_BLOCK] = FLAG_NULL
             self._popleft_n(1)
             for b in self._popleft_n(cfg.num_sink_blocks):
                 self._flags[b] = FLAG_SINK
-            self.publish(0)
+            self.publish()
 
-    def publish(self, num_requests: int) -> None:
-        """Write the counters to the segment header and close the mutation."""
+    def publish(self) -> None:
+        """Write the free count to the segment header and close the mutation
+        (the counterpart of `PoolSegment.begin_mutation`)."""
+        w = self._words
+        w[_FREE] = self.num_free_blocks
+        w[_SEQ] = (w[_SEQ] | 1) + 1
+
+    def record_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
+        """Count one prefix-cache lookup (published to the header at once)."""
         st = self.stats
-        self.segment.end_mutation(
-            self.num_free_blocks, self._next_free_stamp, self._next_cache_stamp,
-            self.num_cached_blocks, st[0], st[1], st[2], st[3], num_requests)
+        st[0] += 1
+        st[2] += num_tokens
+        if num_hit_tokens:
+            st[1] += 1
+            st[3] += num_hit_tokens
+        self._words[STATS_WORD:STATS_WORD + 4] = array("Q", st)
 
     # -- free queue (private) -------------------------------------------------
     def _popleft_n(self, n: int) -> list[int]:
@@ -225,7 +244,6 @@ class BlockPool:
         self._flags[block] = FLAG_CACHED
         self._cache_stamp[block] = self._next_cache_stamp
         self._next_cache_stamp += 1
-        self.num_cached_blocks += 1
 
     def block_hash(self, block: int) -> bytes | None:
         """The hash `block` is cached under, or None."""
@@ -247,7 +265,6 @@ class BlockPool:
             if cur:
                 m[key] = cur if len(cur) > 1 else next(iter(cur))
         self._flags[b] = 0
-        self.num_cached_blocks -= 1
 
     def evict_blocks(self, block_ids: Iterable[int]) -> None:
         """Remove each listed block from the prefix cache if it is cached; the
@@ -273,7 +290,6 @@ class BlockPool:
         flags = self._flags
         flags[:] = bytes(len(flags))
         flags[NULL_BLOCK] = FLAG_NULL
-        self.num_cached_blocks = 0
         return True
 
     def rebuild(self) -> None:
@@ -284,7 +300,6 @@ class BlockPool:
         cached.sort(key=lambda b: stamp[b])
         for m in self._maps:
             m.clear()
-        self.num_cached_blocks = len(cached)
         for b in cached:
             off = b * _H
             key = bytes(self._hashes[off:off + self._dsz])
@@ -296,6 +311,11 @@ class BlockPool:
                 m[key] = {cur: None, b: None}
             else:
                 cur[b] = None
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks currently in the prefix cache (a scan of the flags)."""
+        return bytes(self._flags).count(FLAG_CACHED)
 
     def get_usage(self) -> float:
         total = self.num_blocks - 1

@@ -31,6 +31,24 @@ class GroupLogic:
         )
         self.num_groups = len(self.managers)
         self._cross = tuple(isinstance(m, CrossAttentionManager) for m in self.managers)
+        if self.num_groups == 1 and not self._cross[0]:
+            self._bind_single(self.managers[0])
+
+    def _bind_single(self, m: SingleTypeManager) -> None:
+        """One group: call its manager directly (the hot path of most pools)."""
+        self.cache_blocks = m.cache_blocks
+        self.free = m.free
+        if m.has_window:
+            self.remove_skipped_blocks = m.remove_skipped_blocks
+        else:
+            self.remove_skipped_blocks = _no_window
+        count = m.get_num_blocks_to_allocate
+        self.get_num_blocks_to_allocate = (
+            lambda rid, num_tokens, hits, num_encoder_tokens, total:
+            count(rid, num_tokens, hits[0], total))
+        allocate = m.allocate_new_blocks
+        self.allocate_new_blocks = (
+            lambda rid, num_tokens, num_encoder_tokens: (allocate(rid, num_tokens),))
 
     def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int,
                                    new_computed_blocks: BlockIds, num_encoder_tokens: int,
@@ -158,6 +176,10 @@ def make_group_logic(config: PoolConfig, pool: BlockPool, table: RequestTable) -
     if len(config.groups) == 1:
         return Unitary(config, pool, table)
     return Hybrid(config, pool, table)
+
+
+def _no_window(request_id: str, total_computed_tokens: int) -> None:
+    return None
 
 
 def any_blocks(blocks: Sequence[Sequence[int]]) -> bool:

@@ -56,6 +56,7 @@ class KVCacheManager:
             raise
         self.empty_blocks: BlockIds = tuple(() for _ in config.groups)
         self._widths = self.table.widths
+        self._hbs = config.hash_block_size
 
     # -- construction helpers --------------------------------------------------
     def make_hasher(self) -> BlockHasher | None:
@@ -122,12 +123,10 @@ class KVCacheManager:
             return self.empty_blocks, 0
         blocks, n = self.groups.find_longest_cache_hit(request.block_hashes,
                                                        request.num_tokens - 1)
-        st = self.block_pool.stats
-        st[0] += 1
-        st[2] += request.num_tokens
-        if n:
-            st[1] += 1
-            st[3] += n
+        seg = self.segment
+        seg.begin_mutation()
+        self.block_pool.record_lookup(request.num_tokens, n)
+        self.block_pool.publish()
         return (blocks if any_blocks(blocks) else self.empty_blocks), n
 
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
@@ -164,8 +163,8 @@ class KVCacheManager:
         nothing has changed.
         """
         rid = request.request_id
-        if (num_new_tokens < 0 or num_new_computed_tokens < 0 or num_lookahead_tokens < 0
-                or num_external_computed_tokens < 0 or num_encoder_tokens < 0):
+        if (num_new_tokens | num_new_computed_tokens | num_lookahead_tokens
+                | num_external_computed_tokens | num_encoder_tokens) < 0:
             raise InvalidArgument(
                 "token counts must be >= 0 (num_new_tokens="
                 f"{num_new_tokens}, num_new_computed_tokens={num_new_computed_tokens}, "
@@ -175,19 +174,31 @@ class KVCacheManager:
         if num_new_tokens == 0 and num_external_computed_tokens == 0:
             raise InvalidArgument(
                 "num_new_tokens must be > 0 when there are no external computed tokens")
-        if new_computed_blocks is None or not any_blocks(new_computed_blocks):
-            hits = self.empty_blocks
-            has_hits = False
-        else:
+        hits = self.empty_blocks
+        adopts = num_external_computed_tokens > 0
+        if new_computed_blocks is not None and any_blocks(new_computed_blocks):
+            self._check_hits(rid, new_computed_blocks)
             hits = new_computed_blocks
-            has_hits = True
-            self._check_hits(rid, hits)
+            adopts = True
+        max_len = self.max_model_len
         num_local = request.num_computed_tokens + num_new_computed_tokens
-        total_computed = min(num_local + num_external_computed_tokens, self.max_model_len)
-        num_need_slot = min(total_computed + num_new_tokens + num_lookahead_tokens,
-                            self.max_model_len)
-        self._check_fits(rid, hits, num_need_slot, num_local + num_external_computed_tokens,
-                         num_encoder_tokens, has_hits or num_external_computed_tokens > 0)
+        total_computed = num_local + num_external_computed_tokens
+        if total_computed > max_len:
+            total_computed = max_len
+        num_need_slot = total_computed + num_new_tokens + num_lookahead_tokens
+        if num_need_slot > max_len:
+            num_need_slot = max_len
+        if rid not in self.table.slot_of:
+            self.table.check_room(rid)
+        # Growth to num_need_slot (<= max_model_len) always fits a row; only
+        # adopted hits, external tokens and encoder tokens need checking.
+        if adopts or num_encoder_tokens:
+            self._check_fits(rid, hits, num_need_slot,
+                             num_local + num_external_computed_tokens, num_encoder_tokens,
+                             adopts)
+        caching = self.enable_caching and not delay_cache_blocks
+        if caching:
+            self._check_hashes(request)
 
         groups = self.groups
         self.segment.begin_mutation()
@@ -198,16 +209,17 @@ class KVCacheManager:
                 num_local + num_external_computed_tokens)
             if need > self.block_pool.num_free_blocks:
                 return None
-            if has_hits or num_external_computed_tokens > 0:
+            if adopts:
                 groups.allocate_new_computed_blocks(rid, hits, num_local,
                                                     num_external_computed_tokens)
             new_blocks = groups.allocate_new_blocks(rid, num_need_slot, num_encoder_tokens)
-            if self.enable_caching and not delay_cache_blocks:
-                groups.cache_blocks(request, min(total_computed + num_new_tokens,
-                                                 request.num_tokens))
+            if caching:
+                n = total_computed + num_new_tokens
+                groups.cache_blocks(request, n if n < request.num_tokens
+                                    else request.num_tokens)
             return new_blocks
         finally:
-            self._publish()
+            self.block_pool.publish()
 
     def _check_hits(self, rid: str, hits: BlockIds) -> None:
         if len(hits) != self.num_kv_cache_groups:
@@ -226,9 +238,14 @@ class KVCacheManager:
                 if b.__class__ is not int or not 0 <= b < n:
                     raise InvalidArgument(f"group {g}: block id {b!r} is not in [0, {n})")
 
+    def _check_hashes(self, request: Request) -> None:
+        if (len(request.block_hashes) + 1) * self._hbs <= len(request.all_token_ids):
+            raise InvalidArgument(
+                f"request {request.request_id!r} lacks block hashes for its tokens "
+                "(create it with this pool's make_hasher())")
+
     def _check_fits(self, rid: str, hits: BlockIds, num_need_slot: int,
                     total_computed: int, num_encoder_tokens: int, adopts: bool) -> None:
-        self.table.check_room(rid)
         for g, m in enumerate(self.groups.managers):
             if self.groups._cross[g]:
                 needed = -(-num_encoder_tokens // m.block_size)
@@ -272,8 +289,7 @@ class KVCacheManager:
             raise InvalidArgument(
                 f"num_computed_tokens must be in [0, num_tokens={request.num_tokens}] "
                 f"(got {num_computed_tokens})")
-        if len(request.block_hashes) * self.config.hash_block_size + self.config.hash_block_size <= request.num_tokens:
-            raise InvalidArgument(f"request {request.request_id!r} has no block hasher")
+        self._check_hashes(request)
         self.table.check_room(request.request_id)
         self.segment.begin_mutation()
         try:
@@ -299,4 +315,4 @@ class KVCacheManager:
             self._publish()
 
     def _publish(self) -> None:
-        self.block_pool.publish(len(self.table))
+        self.block_pool.publish()

@@ -48,6 +48,9 @@ class SingleTypeManager:
         self.hash_stride = self.block_size // config.hash_block_size or 1
         self.req_to_blocks: dict[str, list[int]] = {}
         self.num_cached_block: dict[str, int] = {}
+        # Tokens of extra slots this type allocates beyond the need (Mamba's
+        # speculative blocks).
+        self.extra_tokens = 0
 
     # -- entries -------------------------------------------------------------
     def _entry(self, request_id: str) -> list[int]:
@@ -75,17 +78,13 @@ class SingleTypeManager:
         return block_hashes if k == 1 else block_hashes[k - 1::k]
 
     # -- allocation ----------------------------------------------------------
-    def extra_tokens(self) -> int:
-        """Tokens of extra slots this type allocates beyond the need."""
-        return 0
-
     def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int,
                                    new_computed_blocks: Sequence[int],
                                    total_computed_tokens: int) -> int:
         """Blocks the pool must supply (new blocks plus hits that would leave
         the free queue) to give the request `num_tokens` slots."""
         bs = self.block_size
-        num_required = -(-(num_tokens + self.extra_tokens()) // bs)
+        num_required = -(-(num_tokens + self.extra_tokens) // bs)
         num_req_blocks = len(self.req_to_blocks.get(request_id, ()))
         if request_id in self.num_cached_block:
             # A running request: no new hits; speculative rejections can leave
@@ -133,8 +132,10 @@ class SingleTypeManager:
 
     def allocate_new_blocks(self, request_id: str, num_tokens: int) -> list[int]:
         """Grow the request to `num_tokens` slots; returns the new blocks."""
-        blocks = self._entry(request_id)
-        num_new = -(-(num_tokens + self.extra_tokens()) // self.block_size) - len(blocks)
+        blocks = self.req_to_blocks.get(request_id)
+        if blocks is None:
+            blocks = self._entry(request_id)
+        num_new = -(-(num_tokens + self.extra_tokens) // self.block_size) - len(blocks)
         if num_new <= 0:
             return []
         new = self.pool.get_new_blocks(num_new)
@@ -149,7 +150,7 @@ class SingleTypeManager:
         held = len(self.req_to_blocks.get(request_id, ()))
         return max(held + num_new_computed,
                    -(-total_computed_tokens // bs),
-                   -(-(num_tokens + self.extra_tokens()) // bs))
+                   -(-(num_tokens + self.extra_tokens) // bs))
 
     # -- caching -------------------------------------------------------------
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
@@ -180,6 +181,9 @@ class SingleTypeManager:
             self.pool.free_blocks(reversed(blocks))
         self.num_cached_block.pop(request_id, None)
         self.table.drop(request_id, self.group_id)
+
+    # Whether get_num_skipped_tokens can be non-zero (False: never a window).
+    has_window = False
 
     def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
         """Tokens no longer attended to once `num_computed_tokens` are done."""
@@ -263,6 +267,8 @@ class FullAttentionManager(SingleTypeManager):
 
 
 class SlidingWindowManager(SingleTypeManager):
+    has_window = True
+
     def __init__(self, spec: SlidingWindowSpec, *args) -> None:
         super().__init__(spec, *args)
         self.sliding_window = spec.sliding_window
@@ -311,6 +317,8 @@ class SlidingWindowManager(SingleTypeManager):
 
 
 class ChunkedLocalManager(SingleTypeManager):
+    has_window = True
+
     def __init__(self, spec: ChunkedLocalSpec, *args) -> None:
         super().__init__(spec, *args)
         self.chunk = spec.attention_chunk_size
@@ -335,12 +343,11 @@ class ChunkedLocalManager(SingleTypeManager):
 
 
 class MambaManager(SingleTypeManager):
+    has_window = True
+
     def __init__(self, spec: MambaSpec, *args) -> None:
         super().__init__(spec, *args)
-        self._extra = spec.block_size * spec.num_speculative_blocks
-
-    def extra_tokens(self) -> int:
-        return self._extra
+        self.extra_tokens = spec.block_size * spec.num_speculative_blocks
 
     def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
         # Only the state after the last computed token is needed.

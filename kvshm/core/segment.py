@@ -28,7 +28,7 @@ Links are relative (next = id + next_delta[id]) so that a fresh queue
 [0, 1, ..., n-1] is a constant byte pattern: filling 1M links is a memset,
 not a million Python stores.
 
-Writers bracket every mutation with `begin_mutation()` / `end_mutation()`:
+Writers bracket every mutation with `begin_mutation()` / `BlockPool.publish()`:
 `mutation_seq` is odd while a mutation is in progress, so a reader that sees
 the same even value before and after its read got a consistent snapshot.
 """
@@ -36,13 +36,14 @@ the same even value before and after its read got a consistent snapshot.
 from __future__ import annotations
 
 import hashlib
+import mmap
 import os
+import secrets
 import shutil
 import struct
 import sys
 import time
-import mmap
-import secrets
+from array import array
 
 import _posixshmem
 
@@ -73,24 +74,25 @@ _HEADER = {
     "generation": (80, "Q"),
     "mutation_seq": (88, "Q"),
     "coordinator_pid": (96, "Q"),
-    # Counters written together by end_mutation() (one pack of _COUNTERS).
+    # Written by the owner as they change (see BlockPool).
     "num_free_blocks": (104, "Q"),
-    "free_stamp": (112, "Q"),
-    "cache_stamp": (120, "Q"),
-    "num_cached_blocks": (128, "Q"),
-    "queries": (136, "Q"),
-    "hits": (144, "Q"),
-    "query_tokens": (152, "Q"),
-    "hit_tokens": (160, "Q"),
-    "num_requests": (168, "Q"),
-    "created_ns": (176, "Q"),
-    "config_len": (184, "I"),
+    "queries": (112, "Q"),
+    "hits": (120, "Q"),
+    "query_tokens": (128, "Q"),
+    "hit_tokens": (136, "Q"),
+    "num_requests": (144, "Q"),
+    "created_ns": (152, "Q"),
+    "config_len": (160, "I"),
 }
 _HEADER_FIXED = 256
-COUNTER_FIELDS = ("num_free_blocks", "free_stamp", "cache_stamp", "num_cached_blocks",
-                  "queries", "hits", "query_tokens", "hit_tokens", "num_requests")
+COUNTER_FIELDS = ("num_free_blocks", "queries", "hits", "query_tokens", "hit_tokens",
+                  "num_requests")
 _COUNTERS = struct.Struct(f"{len(COUNTER_FIELDS)}Q")
 _COUNTERS_OFFSET = _HEADER["num_free_blocks"][0]
+FREE_WORD = _COUNTERS_OFFSET // 8
+STATS_WORD = FREE_WORD + 1
+NUM_REQUESTS_WORD = FREE_WORD + 5
+SEQ_WORD = _HEADER["mutation_seq"][0] // 8
 
 
 def _align(n: int, to: int = 64) -> int:
@@ -166,6 +168,10 @@ class PoolSegment:
             self._views.append(view)
             setattr(self, name, view)
         self.tables = [getattr(self, f"table{g}") for g in range(len(layout.widths))]
+        # The fixed header as 8-byte words (fields from offset 64 on are
+        # words): the writer's hot path stores through this view.
+        self.words = buf[:_HEADER_FIXED].cast("Q")
+        self._views.append(self.words)
         self.closed = False
 
     # -- header --------------------------------------------------------------
@@ -271,8 +277,6 @@ class PoolSegment:
             ("num_groups", len(cfg.groups)),
             ("num_slots", cfg.max_num_seqs),
             ("num_free_blocks", n),
-            ("free_stamp", 1),
-            ("cache_stamp", 1),
             ("created_ns", time.time_ns()),
             ("config_len", len(lay.config_json)),
             ("coordinator_pid", os.getpid()),
@@ -284,17 +288,8 @@ class PoolSegment:
 
     # -- mutation bracket ----------------------------------------------------
     def begin_mutation(self) -> None:
-        off = _HEADER["mutation_seq"][0]
-        seq = struct.unpack_from("Q", self.header, off)[0]
-        struct.pack_into("Q", self.header, off, seq | 1)
-
-    def end_mutation(self, *counters: int) -> None:
-        """Publish the counters (in COUNTER_FIELDS order) and close the
-        mutation."""
-        off = _HEADER["mutation_seq"][0]
-        seq = struct.unpack_from("Q", self.header, off)[0]
-        _COUNTERS.pack_into(self.header, _COUNTERS_OFFSET, *counters)
-        struct.pack_into("Q", self.header, off, (seq | 1) + 1)
+        words = self.words
+        words[SEQ_WORD] |= 1
 
     def read_counters(self) -> dict[str, int]:
         """A consistent snapshot of the counters (retries torn reads)."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 from array import array
 
 from kvshm.core.errors import InvalidArgument, RequestTableFull
-from kvshm.core.segment import RID_BYTES, SLOT_META_FIELDS, PoolSegment
+from kvshm.core.segment import NUM_REQUESTS_WORD, RID_BYTES, SLOT_META_FIELDS, PoolSegment
 
 NO_ENTRY = -1
 
@@ -28,6 +28,7 @@ class RequestTable:
         self._rid = segment.slot_rid
         self._counts = segment.slot_counts
         self._tables = segment.tables
+        self._words = segment.words
         self.slot_of: dict[str, int] = {}
         self._free_slots = list(range(self.capacity - 1, -1, -1))
 
@@ -61,6 +62,7 @@ class RequestTable:
             self._meta[base] = len(raw)
             self._meta[base + 2] = 1
             self._rid[slot * RID_BYTES:slot * RID_BYTES + len(raw)] = raw
+            self._words[NUM_REQUESTS_WORD] = len(self.slot_of)
         return slot
 
     def release(self, request_id: str) -> None:
@@ -75,6 +77,7 @@ class RequestTable:
         for i in range(base, base + 2 * self.num_groups):
             c[i] = NO_ENTRY
         self._free_slots.append(slot)
+        self._words[NUM_REQUESTS_WORD] = len(self.slot_of)
 
     def set_owner(self, request_id: str, owner: int) -> None:
         self._meta[self.slot(request_id) * SLOT_META_FIELDS + 1] = owner
