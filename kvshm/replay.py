@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvshm.core.errors import DuplicateRequest, UnknownRequest
 from kvshm.core.manager import KVCacheManager
 from kvshm.core.request import Request
 from kvshm.core.specs import CrossAttentionSpec, PoolConfig
@@ -73,14 +74,20 @@ class EmbeddedReplayer:
             raise ValueError(f"unknown op {op['op']!r}")
         return fn(op)
 
+    def _req(self, rid: str) -> Request:
+        req = self.reqs.get(rid)
+        if req is None:
+            raise UnknownRequest(rid)
+        return req
+
     def op_add_request(self, op):
         rid = op["req"]
         if rid in self.reqs:
-            raise ValueError(f"duplicate request id {rid!r}")
+            raise DuplicateRequest(rid)
         prompt = op["prompt"]
         prefix = op.get("prefix")
         if prefix:
-            prompt = self.reqs[prefix["req"]].all_token_ids[:prefix["len"]] + prompt
+            prompt = self._req(prefix["req"]).all_token_ids[:prefix["len"]] + prompt
         self.reqs[rid] = Request(
             rid, prompt, self.hasher,
             lora_name=op.get("lora_name"), cache_salt=op.get("cache_salt"),
@@ -88,13 +95,13 @@ class EmbeddedReplayer:
         return None
 
     def op_get_computed_blocks(self, op):
-        req = self.reqs[op["req"]]
+        req = self._req(op["req"])
         blocks, n = self.mgr.get_computed_blocks(req)
         self.last_computed[req.request_id] = blocks
         return {"block_ids": [list(g) for g in blocks], "num_computed_tokens": n}
 
     def op_allocate_slots(self, op):
-        req = self.reqs[op["req"]]
+        req = self._req(op["req"])
         get = op.get
         res = self.mgr.allocate_slots(
             req, op["num_new_tokens"],
@@ -109,7 +116,7 @@ class EmbeddedReplayer:
                 "num_free_blocks": self.mgr.num_free_blocks}
 
     def op_advance(self, op):
-        req = self.reqs[op["req"]]
+        req = self._req(op["req"])
         req.num_computed_tokens = op["num_computed_tokens"]
         append = op.get("append")
         if append:
@@ -117,7 +124,7 @@ class EmbeddedReplayer:
         return None
 
     def op_cache_blocks(self, op):
-        self.mgr.cache_blocks(self.reqs[op["req"]], op["num_computed_tokens"])
+        self.mgr.cache_blocks(self._req(op["req"]), op["num_computed_tokens"])
         return None
 
     def op_remove_skipped_blocks(self, op):
@@ -125,7 +132,7 @@ class EmbeddedReplayer:
         return {"num_free_blocks": self.mgr.num_free_blocks}
 
     def op_free(self, op):
-        req = self.reqs[op["req"]]
+        req = self._req(op["req"])
         self.mgr.free(req)
         if op.get("reason") == "preempt":
             req.num_preemptions += 1

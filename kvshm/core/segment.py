@@ -38,6 +38,7 @@ from __future__ import annotations
 import hashlib
 import mmap
 import os
+import re
 import secrets
 import shutil
 import struct
@@ -56,6 +57,8 @@ LAYOUT_VERSION = 1
 RID_BYTES = 64
 SLOT_META_FIELDS = 4  # rid_len, owner session, in_use, reserved
 SHM_DIR = "/dev/shm"
+
+_NAME_RE = re.compile(r"[A-Za-z0-9._-]{1,200}")
 
 FLAG_NULL = 1
 FLAG_CACHED = 2
@@ -193,6 +196,9 @@ class PoolSegment:
         `name` already exists.
         """
         config.validate()
+        if name is not None and not _NAME_RE.fullmatch(name):
+            raise SegmentError(
+                f"segment name {name!r}: use 1-200 letters, digits, '.', '_' or '-'")
         layout = Layout(config)
         check_shm_space(layout.size)
         try:
@@ -389,3 +395,53 @@ def check_shm_space(needed: int, path: str = SHM_DIR) -> None:
         return  # no /dev/shm to inspect (not Linux): let the OS decide
     if free < needed:
         raise ShmSpaceError(needed, free, path)
+
+
+def _header_info(name: str) -> dict | None:
+    """Summary of segment `name` if it is a kvshm pool, else None."""
+    try:
+        shm = _Shm.open(name)
+    except (OSError, ValueError):  # not ours to open, or empty (being created)
+        return None
+    try:
+        buf = shm.buf
+        if len(buf) < _HEADER_FIXED or bytes(buf[:8]) != MAGIC:
+            return None
+        pid = struct.unpack_from("Q", buf, _HEADER["coordinator_pid"][0])[0]
+        return {
+            "name": name,
+            "bytes": len(buf),
+            "num_blocks": struct.unpack_from("Q", buf, _HEADER["num_blocks"][0])[0],
+            "layout_version": struct.unpack_from("I", buf, _HEADER["layout_version"][0])[0],
+            "pid": pid,
+            "alive": _pid_alive(pid),
+        }
+    finally:
+        shm.close()
+
+
+def _pid_alive(pid: int) -> bool:
+    import psutil
+    return pid > 0 and psutil.pid_exists(pid)
+
+
+def list_segments() -> list[dict]:
+    """Every kvshm pool segment in /dev/shm, with its owner and liveness."""
+    try:
+        names = sorted(os.listdir(SHM_DIR))
+    except OSError:
+        return []
+    return [info for n in names if (info := _header_info(n)) is not None]
+
+
+def remove_segment(name: str, force: bool = False) -> None:
+    """Unlink the kvshm segment `name`; refuses while its owner lives unless
+    `force`.  Raises SegmentError."""
+    info = _header_info(name)
+    if info is None:
+        raise SegmentError(f"{name!r} is not a kvshm pool segment")
+    if info["alive"] and not force:
+        raise SegmentError(
+            f"{name!r} belongs to live process {info['pid']}; stop it first "
+            "(or pass --force)")
+    _posixshmem.shm_unlink("/" + name)

@@ -1,0 +1,205 @@
+"""The `kvshm` command line: replay, check, ls, rm, demo."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from kvshm.core.errors import KvshmError
+
+REPO_TRACES = Path(__file__).resolve().parent.parent / "tests" / "data" / "conformance" / "traces"
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    from kvshm.core.check import check_segment
+    from kvshm.replay import bench_trace, expand_paths, load_trace, replay_trace
+
+    paths = list(expand_paths(args.paths))
+    if not paths:
+        print("no traces found in " + " ".join(args.paths), file=sys.stderr)
+        return 2
+    results = []
+    passed = failed = 0
+    for path in paths:
+        row: dict = {"trace": path.name}
+        try:
+            cfg, ops = load_trace(path)
+        except (OSError, ValueError, KvshmError) as e:
+            row.update(passed=False, error=f"cannot load: {e}")
+            failed += 1
+            results.append(row)
+            if not args.json:
+                print(f"FAIL {path}: cannot load: {e}")
+            continue
+        row["ops"] = len(ops)
+        reports = []
+        try:
+            mismatch = replay_trace(
+                cfg, ops, after=lambda mgr: reports.append(check_segment(mgr.segment,
+                                                                         mgr.block_pool)))
+        except KvshmError as e:  # a config kvshm refuses
+            mismatch = f"pool not created: {e}"
+        problem = str(mismatch) if mismatch else None
+        if problem is None and reports and not reports[0].clean:
+            problem = "pool check after replay: " + "; ".join(reports[0].problems)
+        if problem is None and args.bench:
+            bench_mismatch, times = bench_trace(cfg, ops, runs=args.runs)
+            if bench_mismatch:
+                problem = str(bench_mismatch)
+            else:
+                times.sort()
+                med = times[len(times) // 2]
+                row.update(runs=[round(t, 6) for t in times], median_s=med,
+                           ops_per_s=len(ops) / med)
+                if not args.json:
+                    print(f"{path.name}: PASS ops={len(ops)} median={med:.4f}s "
+                          f"-> {len(ops) / med:,.0f} ops/s", flush=True)
+        row["passed"] = problem is None
+        if problem is None:
+            passed += 1
+        else:
+            failed += 1
+            row["mismatch"] = problem
+            if not args.json:
+                print(f"FAIL {path}: {problem}", flush=True)
+        results.append(row)
+    if args.json:
+        print(json.dumps({"passed": passed, "failed": failed, "traces": results}, indent=2))
+    else:
+        print(f"{passed} passed, {failed} failed")
+    return 0 if failed == 0 else 1
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    from kvshm.core.check import check_segment
+    from kvshm.core.segment import PoolSegment
+
+    seg = PoolSegment.attach(args.name)
+    try:
+        report = check_segment(seg)
+    finally:
+        seg.close()
+    if args.json:
+        print(json.dumps({"name": args.name, "clean": report.clean,
+                          "num_blocks": report.num_blocks,
+                          "num_free_blocks": report.num_free_blocks,
+                          "num_cached_blocks": report.num_cached_blocks,
+                          "num_requests": report.num_requests,
+                          "problems": report.problems}, indent=2))
+    else:
+        print(f"pool {args.name}: {report.summary()}")
+    return 0 if report.clean else 1
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    from kvshm.core.segment import list_segments
+
+    rows = list_segments()
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    if not rows:
+        print("no kvshm segments")
+    for r in rows:
+        state = "live" if r["alive"] else "STALE (owner dead: remove with `kvshm rm " \
+            + r["name"] + "`)"
+        print(f"{r['name']}: {r['bytes']:,} bytes, {r['num_blocks']} blocks, "
+              f"owner pid {r['pid']} {state}")
+    return 0
+
+
+def cmd_rm(args: argparse.Namespace) -> int:
+    from kvshm.core.segment import remove_segment
+
+    status = 0
+    for name in args.names:
+        try:
+            remove_segment(name, force=args.force)
+            print(f"removed {name}")
+        except KvshmError as e:
+            print(f"kvshm rm: {e}", file=sys.stderr)
+            status = 1
+    return status
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from kvshm.core.check import check_segment
+    from kvshm.core.manager import KVCacheManager
+    from kvshm.core.specs import FullSpec, PoolConfig
+    from kvshm.workload import WorkloadSpec, run_workload
+
+    config = PoolConfig(num_blocks=args.num_blocks, hash_block_size=16, max_model_len=4096,
+                        groups=(FullSpec(16),), max_num_seqs=256).validate()
+    spec = WorkloadSpec(num_requests=args.requests, seed=args.seed)
+    print(f"kvshm demo (embedded mode): one pool of {config.num_blocks} blocks x 16 tokens, "
+          f"full attention, max_model_len {config.max_model_len}")
+    with KVCacheManager(config) as mgr:
+        print(f"  segment /dev/shm/{mgr.segment.name}: {mgr.segment.layout.size:,} bytes")
+        res = run_workload(mgr, spec)
+        report = check_segment(mgr.segment, mgr.block_pool)
+        print(f"  {res.finished} requests served in {res.steps} scheduler steps, "
+              f"{res.preemptions} preemptions")
+        print(f"  prefix-cache hit rate {res.hit_rate:.1%} of prompt tokens "
+              f"({res.hit_tokens:,} of {res.prompt_tokens:,})")
+        print(f"  peak usage {res.peak_usage:.1%}; {res.manager_calls:,} manager calls "
+              f"at {res.calls_per_second:,.0f} calls/s")
+        print(f"  pool check: {report.summary()}")
+    traces = Path(args.traces)
+    if traces.exists():
+        print(f"conformance replay of {traces}:")
+        ns = argparse.Namespace(paths=[str(traces)], bench=False, runs=1, json=False)
+        return cmd_replay(ns) or (0 if report.clean else 1)
+    return 0 if report.clean else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="kvshm", description="Host-wide KV-cache block manager")
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("replay", help="replay conformance traces in embedded mode")
+    p.add_argument("paths", nargs="+", help=".jsonl/.jsonl.gz files or directories")
+    p.add_argument("--bench", action="store_true", help="also time each trace (median of --runs)")
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--json", action="store_true", help="print one JSON document")
+    p.set_defaults(fn=cmd_replay)
+
+    p = sub.add_parser("check", help="verify the invariants of a pool segment")
+    p.add_argument("name", help="segment name (see `kvshm ls`)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(fn=cmd_check)
+
+    p = sub.add_parser("ls", help="list kvshm pool segments in /dev/shm")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(fn=cmd_ls)
+
+    p = sub.add_parser("rm", help="remove pool segments whose owner is dead")
+    p.add_argument("names", nargs="+")
+    p.add_argument("--force", action="store_true", help="even if the owner is alive")
+    p.set_defaults(fn=cmd_rm)
+
+    p = sub.add_parser("demo", help="run a synthetic workload on an embedded pool")
+    p.add_argument("--num-blocks", type=int, default=4096)
+    p.add_argument("--requests", type=int, default=300)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--traces", default=os.environ.get("KVSHM_TRACES", str(REPO_TRACES)),
+                   help="conformance traces to replay afterwards (skipped if absent)")
+    p.set_defaults(fn=cmd_demo)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except KvshmError as e:
+        print(f"kvshm {args.command}: {e}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:  # e.g. `kvshm replay ... | head`
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,34 @@
+# Sourced by run.sh and test.sh: create or refresh the project's virtual
+# environment (.venv, or $KVSHM_VENV) with Python >= 3.11 and install kvshm
+# into it, with the extras named in $KVSHM_EXTRAS.  Re-installs only when
+# pyproject.toml or the extras change.
+set -euo pipefail
+REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+VENV=${KVSHM_VENV:-$REPO/.venv}
+EXTRAS=${KVSHM_EXTRAS:-}
+
+pick_python() {
+  for py in ${PYTHON:-} python3.13 python3.12 python3.11 python3; do
+    if command -v "$py" >/dev/null 2>&1 &&
+       "$py" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
+      echo "$py"; return 0
+    fi
+  done
+  echo "kvshm needs Python >= 3.11 (set PYTHON=/path/to/python3.11)" >&2
+  return 1
+}
+
+if [ ! -x "$VENV/bin/python" ]; then
+  PY=$(pick_python)
+  echo "creating virtual environment $VENV ($("$PY" --version))" >&2
+  "$PY" -m venv "$VENV"
+fi
+stamp="$VENV/.kvshm-installed"
+want="$(cat "$REPO/pyproject.toml" | cksum) extras=[$EXTRAS]"
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+  spec="$REPO"
+  [ -n "$EXTRAS" ] && spec="$REPO[$EXTRAS]"
+  echo "installing kvshm${EXTRAS:+[$EXTRAS]} into $VENV" >&2
+  "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e "$spec"
+  echo "$want" > "$stamp"
+fi

@@ -1,0 +1,28 @@
+"""The curated public API: changing it must be deliberate."""
+
+import kvshm
+
+EXPECTED = {
+    "BlockHasher", "CheckReport", "ChunkedLocalSpec", "ConfigError", "CrossAttentionSpec",
+    "DuplicateRequest", "FullSpec", "InvalidArgument", "KVCacheManager", "KvshmError",
+    "MLASpec", "MambaSpec", "NoFreeBlocks", "PoolConfig", "PoolSegment", "Request",
+    "RequestTableFull", "RequestTooLong", "SegmentError", "ShmSpaceError", "SinkFullSpec",
+    "SlidingWindowSpec", "UnknownRequest", "check_segment", "hash_fingerprint",
+}
+
+
+def test_all_is_pinned():
+    assert set(kvshm.__all__) == EXPECTED
+
+
+def test_every_name_resolves():
+    for name in kvshm.__all__:
+        assert getattr(kvshm, name) is not None
+
+
+def test_errors_share_one_base_with_codes():
+    for name in kvshm.__all__:
+        obj = getattr(kvshm, name)
+        if isinstance(obj, type) and issubclass(obj, Exception):
+            assert issubclass(obj, kvshm.KvshmError)
+            assert obj.code.isupper()
