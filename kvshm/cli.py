@@ -181,7 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_rm)
 
     p = sub.add_parser("demo", help="run a synthetic workload on an embedded pool")
-    p.add_argument("--num-blocks", type=int, default=4096)
+    p.add_argument("--num-blocks", type=int, default=1024)
     p.add_argument("--requests", type=int, default=300)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--traces", default=os.environ.get("KVSHM_TRACES", str(REPO_TRACES)),

@@ -76,9 +76,11 @@ class BlockPool:
         # for, tokens hit.
         self.stats = [0, 0, 0, 0]
         if attach:
-            c = segment.read_counters()
-            self.num_free_blocks = c["num_free_blocks"]
-            self.stats = [c["queries"], c["hits"], c["query_tokens"], c["hit_tokens"]]
+            # The adopting process is the only writer: read fields directly
+            # (a dead writer may have left the mutation counter odd).
+            self.num_free_blocks = segment.get("num_free_blocks")
+            self.stats = [segment.get(f) for f in ("queries", "hits", "query_tokens",
+                                                    "hit_tokens")]
             self._next_free_stamp = max(self._free_stamp, default=0) + 1
             self._next_cache_stamp = max(self._cache_stamp, default=0) + 1
             self.rebuild()

@@ -60,7 +60,7 @@ class _Snapshot:
     NAMES = ("ref_cnt", "next_delta", "prev_delta", "free_stamp", "cache_stamp",
              "hash_group", "flags", "hashes", "slot_meta", "slot_rid", "slot_counts")
 
-    def __init__(self, seg: PoolSegment, timeout: float = 2.0) -> None:
+    def __init__(self, seg: PoolSegment, timeout: float) -> None:
         words = seg.words
         deadline = time.monotonic() + timeout
         while True:
@@ -75,7 +75,7 @@ class _Snapshot:
                 copy = array("i")
                 copy.frombytes(t.cast("B"))
                 self.tables.append(copy)
-            self.counters = seg.read_counters() if not before & 1 else None
+            self.counters = {f: seg.get(f) for f in ("num_free_blocks", "num_requests")}
             after = words[SEQ_WORD]
             if before == after and not before & 1:
                 self.torn = False
@@ -83,18 +83,18 @@ class _Snapshot:
             if time.monotonic() > deadline:
                 # A writer died mid-mutation (or is very busy): check what is there.
                 self.torn = True
-                self.counters = dict(zip(("num_free_blocks",), (seg.get("num_free_blocks"),)))
-                self.counters["num_requests"] = seg.get("num_requests")
                 return
             time.sleep(0.001)
 
 
-def check_segment(seg: PoolSegment, pool=None) -> CheckReport:
+def check_segment(seg: PoolSegment, pool=None, timeout: float = 2.0) -> CheckReport:
     """Verify every invariant of the pool in `seg`; with `pool` (the owning
-    BlockPool), also its hash index."""
+    BlockPool), also its hash index.  A copy torn by concurrent mutations is
+    retried for up to `timeout` seconds, then checked as it is (and reported
+    as possibly torn)."""
     cfg = seg.config
     n = cfg.num_blocks
-    snap = _Snapshot(seg)
+    snap = _Snapshot(seg, timeout)
     rep = CheckReport(num_blocks=n)
     if snap.torn:
         rep.add("a mutation is in progress or was interrupted (odd mutation counter)")

@@ -8,6 +8,7 @@ mistakes.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 
 from kvshm.core.block_pool import BlockPool
@@ -51,6 +52,10 @@ class KVCacheManager:
             self.groups = make_group_logic(config, self.block_pool, self.table)
             if attach:
                 self._adopt_table()
+                # This process is the pool's writer from now on.
+                segment.set("generation", segment.get("generation") + 1)
+                segment.set("coordinator_pid", os.getpid())
+            self.block_pool.publish()
         except BaseException:
             self._drop_segment()
             raise
@@ -113,6 +118,13 @@ class KVCacheManager:
     @property
     def num_free_blocks(self) -> int:
         return self.block_pool.num_free_blocks
+
+    @property
+    def prefix_cache_stats(self) -> dict[str, int]:
+        """Lookups since the pool was created: `queries` and `hits` count
+        lookups, `query_tokens` and `hit_tokens` their tokens."""
+        q, h, qt, ht = self.block_pool.stats
+        return {"queries": q, "hits": h, "query_tokens": qt, "hit_tokens": ht}
 
     def get_computed_blocks(self, request: Request) -> tuple[BlockIds, int]:
         """Prefix-cache hit of a waiting request: (blocks per group, tokens).

@@ -297,16 +297,25 @@ class PoolSegment:
         words = self.words
         words[SEQ_WORD] |= 1
 
-    def read_counters(self) -> dict[str, int]:
-        """A consistent snapshot of the counters (retries torn reads)."""
+    def read_counters(self, timeout: float = 1.0) -> dict[str, int]:
+        """A consistent snapshot of the counters (retries torn reads).
+
+        Raises SegmentError if no mutation-free moment comes within `timeout`
+        seconds (a writer that died mid-mutation leaves the counter odd).
+        """
         off = _HEADER["mutation_seq"][0]
+        deadline = time.monotonic() + timeout
         while True:
             before = struct.unpack_from("Q", self.header, off)[0]
             values = _COUNTERS.unpack_from(self.header, _COUNTERS_OFFSET)
             after = struct.unpack_from("Q", self.header, off)[0]
             if before == after and not before & 1:
                 return dict(zip(COUNTER_FIELDS, values))
-            time.sleep(0)
+            if time.monotonic() > deadline:
+                raise SegmentError(
+                    f"segment {self.name!r}: a mutation has been in progress for "
+                    f"{timeout}s (its writer may have died mid-operation)")
+            time.sleep(0.0005)
 
     # -- request slots ---------------------------------------------------------
     def slot_request_id(self, slot: int) -> str:
