@@ -16,7 +16,7 @@ from kvshm.core.errors import InvalidArgument, RequestTooLong
 from kvshm.core.groups import BlockIds, any_blocks, make_group_logic
 from kvshm.core.hashing import BlockHasher
 from kvshm.core.request import Request
-from kvshm.core.segment import PoolSegment
+from kvshm.core.segment import FLAG_CACHED, PoolSegment
 from kvshm.core.specs import PoolConfig
 from kvshm.core.table import RequestTable
 
@@ -234,11 +234,14 @@ class KVCacheManager:
             self.block_pool.publish()
 
     def _check_hits(self, rid: str, hits: BlockIds) -> None:
+        if not self.enable_caching:
+            raise InvalidArgument("prefix-cache hits passed to a pool with caching off")
         if len(hits) != self.num_kv_cache_groups:
             raise InvalidArgument(
                 f"new_computed_blocks has {len(hits)} groups, the pool has "
                 f"{self.num_kv_cache_groups}")
         n = self.config.num_blocks
+        flags = self.segment.flags
         for g, (m, blocks) in enumerate(zip(self.groups.managers, hits)):
             if not blocks:
                 continue
@@ -249,6 +252,10 @@ class KVCacheManager:
             for b in blocks:
                 if b.__class__ is not int or not 0 <= b < n:
                     raise InvalidArgument(f"group {g}: block id {b!r} is not in [0, {n})")
+                if b and not flags[b] & FLAG_CACHED:
+                    raise InvalidArgument(
+                        f"group {g}: block {b} is not in the prefix cache (a stale or "
+                        "invented hit; call get_computed_blocks again)")
 
     def _check_hashes(self, request: Request) -> None:
         if (len(request.block_hashes) + 1) * self._hbs <= len(request.all_token_ids):

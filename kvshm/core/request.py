@@ -6,10 +6,22 @@ lookup never rehashes a prompt.
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Iterable
 
 from kvshm.core.errors import InvalidArgument
 from kvshm.core.hashing import BlockHasher, encode_extra_keys
+
+
+def _checked_tokens(token_ids: Iterable[int]) -> list[int]:
+    """The tokens as a list; raises InvalidArgument unless every one is an
+    integer in [0, 2**32)."""
+    tokens = token_ids if isinstance(token_ids, list) else list(token_ids)
+    try:
+        array("I", tokens)  # C-speed type and range check
+    except (TypeError, OverflowError):
+        raise InvalidArgument("token ids must be integers in [0, 2**32)") from None
+    return tokens
 
 
 class Request:
@@ -38,7 +50,7 @@ class Request:
         if not isinstance(request_id, str) or not request_id:
             raise InvalidArgument("request_id must be a non-empty string")
         self.request_id = request_id
-        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.all_token_ids: list[int] = _checked_tokens(prompt_token_ids)
         self.num_computed_tokens = 0
         self.lora_name = lora_name
         self.cache_salt = cache_salt
@@ -56,7 +68,7 @@ class Request:
     def append_token_ids(self, token_ids: Iterable[int]) -> None:
         """Append tokens (decoded or speculative) and hash new full blocks."""
         old_len = len(self.all_token_ids)
-        self.all_token_ids.extend(token_ids)
+        self.all_token_ids.extend(_checked_tokens(token_ids))
         try:
             self._extend_hashes()
         except InvalidArgument:

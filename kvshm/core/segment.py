@@ -362,6 +362,7 @@ class _Shm:
     """
 
     def __init__(self, name: str, fd: int) -> None:
+        """Map `fd` (which this call always closes)."""
         self.name = name
         try:
             self._mmap = mmap.mmap(fd, os.fstat(fd).st_size)
@@ -375,11 +376,10 @@ class _Shm:
         fd = _posixshmem.shm_open("/" + name, os.O_CREAT | os.O_EXCL | os.O_RDWR, mode=0o600)
         try:
             os.ftruncate(fd, size)
-        except OSError:
-            os.close(fd)
+            return cls(name, fd)  # closes fd
+        except BaseException:
             _posixshmem.shm_unlink("/" + name)
             raise
-        return cls(name, fd)
 
     @classmethod
     def open(cls, name: str) -> "_Shm":

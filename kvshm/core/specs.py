@@ -149,6 +149,10 @@ class PoolConfig(msgspec.Struct, frozen=True, kw_only=True):
     # -- validation ----------------------------------------------------------
     def validate(self) -> "PoolConfig":
         """Check every rule; return self or raise `ConfigError`."""
+        try:  # field types, for configs built directly rather than decoded
+            msgspec.convert(msgspec.to_builtins(self), type(self))
+        except (msgspec.ValidationError, TypeError) as e:
+            raise ConfigError(_path_of(str(e)), str(e)) from None
         _positive("num_blocks", self.num_blocks)
         if self.num_blocks < 2:
             raise ConfigError("num_blocks", "must be at least 2 (block 0 is the null block)")
@@ -294,7 +298,11 @@ class PoolConfig(msgspec.Struct, frozen=True, kw_only=True):
 
     @classmethod
     def from_json(cls, raw: bytes) -> "PoolConfig":
-        return cls.from_dict(json.loads(raw))
+        try:
+            data = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ConfigError("config", f"not valid JSON: {e}") from None
+        return cls.from_dict(data)
 
 
 def attention_types(groups: tuple[GroupSpec, ...]) -> list[tuple[GroupSpec, list[int]]]:
