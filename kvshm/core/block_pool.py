@@ -223,13 +223,6 @@ class BlockPool:
             out.append(hit if hit.__class__ is int else next(iter(hit)))
         return out
 
-    def lookup(self, block_hash: bytes, group_id: int) -> int | None:
-        """The earliest cached block for (`block_hash`, `group_id`), or None."""
-        hit = self._maps[group_id].get(block_hash)
-        if hit is None or hit.__class__ is int:
-            return hit
-        return next(iter(hit))
-
     def cache_block(self, block: int, block_hash: bytes, group_id: int) -> None:
         """Record `block` (full, uncached, not null) under (hash, group)."""
         m = self._maps[group_id]

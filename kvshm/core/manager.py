@@ -73,16 +73,9 @@ class KVCacheManager:
 
     def _adopt_table(self) -> None:
         """Rebuild the request index and per-group lists from the segment."""
-        seg, table = self.segment, self.table
-        meta = seg.slot_meta
-        from kvshm.core.segment import SLOT_META_FIELDS
-        table._free_slots.clear()
-        for slot in range(table.capacity - 1, -1, -1):
-            if not meta[slot * SLOT_META_FIELDS + 2]:
-                table._free_slots.append(slot)
-                continue
-            rid = seg.slot_request_id(slot)
-            table.slot_of[rid] = slot
+        table = self.table
+        table.adopt()
+        for rid, slot in table.slot_of.items():
             for g, m in enumerate(self.groups.managers):
                 blocks, cached = table.read_row(slot, g)
                 if blocks is not None:

@@ -32,12 +32,6 @@ class RequestTable:
         self.slot_of: dict[str, int] = {}
         self._free_slots = list(range(self.capacity - 1, -1, -1))
 
-    def __len__(self) -> int:
-        return len(self.slot_of)
-
-    def has_room_for(self, request_id: str) -> bool:
-        return request_id in self.slot_of or bool(self._free_slots)
-
     def check_room(self, request_id: str) -> None:
         """Raise RequestTableFull / InvalidArgument if `request_id` could not
         get a slot."""
@@ -79,10 +73,6 @@ class RequestTable:
         self._free_slots.append(slot)
         self._words[NUM_REQUESTS_WORD] = len(self.slot_of)
 
-    def set_owner(self, request_id: str, owner: int) -> None:
-        self._meta[self.slot(request_id) * SLOT_META_FIELDS + 1] = owner
-
-    # -- per-group rows ------------------------------------------------------
     def write_blocks(self, request_id: str, group: int, start: int, ids: list[int]) -> None:
         """Row `group` of the request becomes its first `start` ids + `ids`."""
         slot = self.slot(request_id)
@@ -110,6 +100,16 @@ class RequestTable:
             self._counts[base + 1] = NO_ENTRY
 
     # -- reading (check, stats, rebuild) -------------------------------------
+    def adopt(self) -> None:
+        """Rebuild the request-id index and free slots from the segment."""
+        self.slot_of.clear()
+        self._free_slots.clear()
+        for slot in range(self.capacity - 1, -1, -1):
+            if self._meta[slot * SLOT_META_FIELDS + 2]:
+                self.slot_of[self.segment.slot_request_id(slot)] = slot
+            else:
+                self._free_slots.append(slot)
+
     def read_row(self, slot: int, group: int) -> tuple[list[int] | None, int]:
         """(block ids or None if no entry, num cached or -1)."""
         base = (slot * self.num_groups + group) * 2
