@@ -138,6 +138,7 @@ def check_segment(seg: PoolSegment, pool=None, timeout: float = 2.0) -> CheckRep
     num_groups = len(cfg.groups)
     widths = seg.layout.widths
     counted = [0] * n
+    owner_group = [-1] * n  # a block holds one group's KV: it is in one group only
     in_use = 0
     for slot in range(cfg.max_num_seqs):
         meta = snap.slot_meta[slot * SLOT_META_FIELDS:(slot + 1) * SLOT_META_FIELDS]
@@ -163,6 +164,11 @@ def check_segment(seg: PoolSegment, pool=None, timeout: float = 2.0) -> CheckRep
                     rep.add(f"slot {slot} group {g}: block id {b} out of range")
                 elif b:
                     counted[b] += 1
+                    if owner_group[b] == -1:
+                        owner_group[b] = g
+                    elif owner_group[b] != g:
+                        rep.add(f"block {b} is held in group {owner_group[b]} and group {g}")
+                        owner_group[b] = g
     rep.num_requests = in_use
     if snap.counters.get("num_requests", in_use) != in_use:
         rep.add(f"{in_use} request slots in use, the header says "

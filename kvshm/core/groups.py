@@ -65,9 +65,22 @@ class GroupLogic:
     def allocate_new_computed_blocks(self, request_id: str, new_computed_blocks: BlockIds,
                                      num_local_computed_tokens: int,
                                      num_external_computed_tokens: int) -> None:
+        """Adopt every group's hits, then allocate blocks for external tokens.
+
+        NOTE: two phases on purpose.  vLLM 0.14.0 interleaves them per group,
+        so group 0's external blocks can be popped from the free queue while
+        they are still group 1's (free, cached) hits, leaving one block in two
+        groups.  Touching all hits first takes them out of the queue; the
+        result only differs from vLLM's where vLLM's is corrupt.
+        """
+        pending = []
         for m, hits in zip(self.managers, new_computed_blocks):
-            m.allocate_new_computed_blocks(request_id, hits, num_local_computed_tokens,
-                                           num_external_computed_tokens)
+            n = m.adopt_computed_blocks(request_id, hits, num_local_computed_tokens,
+                                        num_external_computed_tokens)
+            if n:
+                pending.append((m, n))
+        for m, n in pending:
+            m.allocate_external_blocks(request_id, n)
 
     def allocate_new_blocks(self, request_id: str, num_tokens: int,
                             num_encoder_tokens: int) -> BlockIds:

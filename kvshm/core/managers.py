@@ -103,14 +103,14 @@ class SingleTypeManager:
                 num_evictable += 1
         return num_new + num_evictable
 
-    def allocate_new_computed_blocks(self, request_id: str,
-                                     new_computed_blocks: Sequence[int],
-                                     num_local_computed_tokens: int,
-                                     num_external_computed_tokens: int) -> None:
+    def adopt_computed_blocks(self, request_id: str, new_computed_blocks: Sequence[int],
+                              num_local_computed_tokens: int,
+                              num_external_computed_tokens: int) -> int:
         """Adopt the prefix-cache hits of a new request (nulls below its
-        window), then allocate blocks for externally computed tokens."""
+        window).  Returns how many blocks its externally computed tokens
+        still need (`allocate_external_blocks`)."""
         if request_id in self.num_cached_block:
-            return  # a running request has no new hits
+            return 0  # a running request has no new hits
         blocks = self._entry(request_id)
         bs = self.block_size
         total = num_local_computed_tokens + num_external_computed_tokens
@@ -127,8 +127,13 @@ class SingleTypeManager:
         # Hits (and skipped nulls) are cached already.
         self._set_num_cached(request_id, len(blocks))
         if num_external_computed_tokens > 0:
-            self._extend(request_id, blocks,
-                         self.pool.get_new_blocks(-(-total // bs) - len(blocks)))
+            return max(-(-total // bs) - len(blocks), 0)
+        return 0
+
+    def allocate_external_blocks(self, request_id: str, num_blocks: int) -> None:
+        """Append `num_blocks` new blocks for externally computed tokens."""
+        self._extend(request_id, self.req_to_blocks[request_id],
+                     self.pool.get_new_blocks(num_blocks))
 
     def allocate_new_blocks(self, request_id: str, num_tokens: int) -> list[int]:
         """Grow the request to `num_tokens` slots; returns the new blocks."""
@@ -374,10 +379,10 @@ class MambaManager(SingleTypeManager):
 class CrossAttentionManager(SingleTypeManager):
     """Encoder states: one allocation per request, never cached or shared."""
 
-    def allocate_new_computed_blocks(self, request_id, new_computed_blocks,
-                                     num_local_computed_tokens,
-                                     num_external_computed_tokens) -> None:
-        return
+    def adopt_computed_blocks(self, request_id, new_computed_blocks,
+                              num_local_computed_tokens,
+                              num_external_computed_tokens) -> int:
+        return 0
 
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
         return  # configs with a cross-attention group never cache

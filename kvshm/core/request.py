@@ -50,7 +50,7 @@ class Request:
         if not isinstance(request_id, str) or not request_id:
             raise InvalidArgument("request_id must be a non-empty string")
         self.request_id = request_id
-        self.all_token_ids: list[int] = _checked_tokens(prompt_token_ids)
+        self.all_token_ids: list[int] = _checked_tokens(list(prompt_token_ids))
         self.num_computed_tokens = 0
         self.lora_name = lora_name
         self.cache_salt = cache_salt

@@ -32,6 +32,10 @@ class RequestTable:
         self.slot_of: dict[str, int] = {}
         self._free_slots = list(range(self.capacity - 1, -1, -1))
 
+    def __len__(self) -> int:
+        """Live requests (those holding a slot)."""
+        return len(self.slot_of)
+
     def check_room(self, request_id: str) -> None:
         """Raise RequestTableFull / InvalidArgument if `request_id` could not
         get a slot."""
