@@ -10,29 +10,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvshm import FullSpec, InvalidArgument, KVCacheManager, PoolConfig, Request
-from kvshm.core.check import check_segment
+from kvshm import InvalidArgument, KVCacheManager, Request
 
-
-def make_config(**changes) -> PoolConfig:
-    base = dict(num_blocks=10, hash_block_size=4, max_model_len=64, groups=(FullSpec(4),))
-    base.update(changes)
-    return PoolConfig(**base).validate()
-
-
-def tokens(start: int, stop: int) -> list[int]:
-    return list(range(start, stop))
-
-
-def lookup(m: KVCacheManager, r: Request):
-    """get_computed_blocks with the hit lists as plain lists."""
-    blocks, n = m.get_computed_blocks(r)
-    return [list(g) for g in blocks], n
-
-
-def assert_clean(m: KVCacheManager) -> None:
-    report = check_segment(m.segment, m.block_pool)
-    assert report.clean, report.problems
+from helpers import assert_clean, lookup, make_config, tokens
 
 
 # -- allocation and the free queue ------------------------------------------------

@@ -15,27 +15,13 @@ from kvshm import (
     FullSpec,
     InvalidArgument,
     KVCacheManager,
-    PoolConfig,
     Request,
     RequestTableFull,
     RequestTooLong,
     SinkFullSpec,
 )
-from kvshm.core.check import check_segment
 
-
-def make_config(**changes) -> PoolConfig:
-    base = dict(num_blocks=10, hash_block_size=4, max_model_len=64, groups=(FullSpec(4),))
-    base.update(changes)
-    return PoolConfig(**base).validate()
-
-
-def tokens(start: int, stop: int) -> list[int]:
-    return list(range(start, stop))
-
-
-def ids(blocks):
-    return None if blocks is None else [list(g) for g in blocks]
+from helpers import assert_clean, ids, make_config, tokens
 
 
 def snapshot(m: KVCacheManager, *request_ids: str):
@@ -46,11 +32,6 @@ def snapshot(m: KVCacheManager, *request_ids: str):
         len(m.table),
         {rid: m.get_block_ids(rid) for rid in request_ids},
     )
-
-
-def assert_clean(m: KVCacheManager) -> None:
-    report = check_segment(m.segment, m.block_pool)
-    assert report.clean, report.problems
 
 
 def setup_pool(m: KVCacheManager):

@@ -23,31 +23,16 @@ from kvshm import (
     SinkFullSpec,
     SlidingWindowSpec,
 )
-from kvshm.core.check import check_segment
+
+import helpers
+from helpers import assert_clean, ids, lookup, tokens
 
 FULL = FullSpec(4)
 SW8 = SlidingWindowSpec(4, sliding_window=8)
 
 
 def make_config(groups, num_blocks=12, **changes) -> PoolConfig:
-    base = dict(num_blocks=num_blocks, hash_block_size=4, max_model_len=64,
-                groups=tuple(groups))
-    base.update(changes)
-    return PoolConfig(**base).validate()
-
-
-def tokens(start: int, stop: int) -> list[int]:
-    return list(range(start, stop))
-
-
-def lookup(m: KVCacheManager, r: Request):
-    """get_computed_blocks with the hit lists as plain lists."""
-    blocks, n = m.get_computed_blocks(r)
-    return [list(g) for g in blocks], n
-
-
-def ids(blocks) -> list[list[int]] | None:
-    return None if blocks is None else [list(g) for g in blocks]
+    return helpers.make_config(groups, num_blocks, **changes)
 
 
 def step(r: Request, num_computed_tokens: int, append=()) -> None:
@@ -55,11 +40,6 @@ def step(r: Request, num_computed_tokens: int, append=()) -> None:
     r.num_computed_tokens = num_computed_tokens
     if append:
         r.append_token_ids(list(append))
-
-
-def assert_clean(m: KVCacheManager) -> None:
-    report = check_segment(m.segment, m.block_pool)
-    assert report.clean, report.problems
 
 
 def assert_no_duplicates_in_free_queue(m: KVCacheManager) -> None:

@@ -44,7 +44,6 @@ import shutil
 import struct
 import sys
 import time
-from array import array
 
 import _posixshmem
 
@@ -406,7 +405,7 @@ def check_shm_space(needed: int, path: str = SHM_DIR) -> None:
         raise ShmSpaceError(needed, free, path)
 
 
-def _header_info(name: str) -> dict | None:
+def segment_info(name: str) -> dict | None:
     """Summary of segment `name` if it is a kvshm pool, else None."""
     try:
         shm = _Shm.open(name)
@@ -440,13 +439,13 @@ def list_segments() -> list[dict]:
         names = sorted(os.listdir(SHM_DIR))
     except OSError:
         return []
-    return [info for n in names if (info := _header_info(n)) is not None]
+    return [info for n in names if (info := segment_info(n)) is not None]
 
 
 def remove_segment(name: str, force: bool = False) -> None:
     """Unlink the kvshm segment `name`; refuses while its owner lives unless
     `force`.  Raises SegmentError."""
-    info = _header_info(name)
+    info = segment_info(name)
     if info is None:
         raise SegmentError(f"{name!r} is not a kvshm pool segment")
     if info["alive"] and not force:

@@ -1,0 +1,34 @@
+"""Small helpers shared by the allocator tests (imported as `helpers`)."""
+
+from __future__ import annotations
+
+from kvshm import FullSpec, KVCacheManager, PoolConfig, Request
+from kvshm.core.check import check_segment
+
+
+def make_config(groups=(FullSpec(4),), num_blocks: int = 10, **changes) -> PoolConfig:
+    """A tiny validated pool: 4-token hash blocks, max_model_len 64."""
+    base = dict(num_blocks=num_blocks, hash_block_size=4, max_model_len=64,
+                groups=tuple(groups))
+    base.update(changes)
+    return PoolConfig(**base).validate()
+
+
+def tokens(start: int, stop: int) -> list[int]:
+    return list(range(start, stop))
+
+
+def ids(blocks) -> list[list[int]] | None:
+    """Block ids per group as plain lists (None stays None)."""
+    return None if blocks is None else [list(g) for g in blocks]
+
+
+def lookup(m: KVCacheManager, r: Request):
+    """get_computed_blocks with the hit lists as plain lists."""
+    blocks, n = m.get_computed_blocks(r)
+    return ids(blocks), n
+
+
+def assert_clean(m: KVCacheManager) -> None:
+    report = check_segment(m.segment, m.block_pool)
+    assert report.clean, report.problems
