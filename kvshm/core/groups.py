@@ -54,12 +54,15 @@ class GroupLogic:
                                    new_computed_blocks: BlockIds, num_encoder_tokens: int,
                                    total_computed_tokens: int) -> int:
         n = 0
-        for m, cross, hits in zip(self.managers, self._cross, new_computed_blocks):
-            if cross:
+        g = 0
+        for m in self.managers:
+            if self._cross[g]:
                 n += m.get_num_blocks_to_allocate(request_id, num_encoder_tokens, (), 0)
             else:
-                n += m.get_num_blocks_to_allocate(request_id, num_tokens, hits,
+                n += m.get_num_blocks_to_allocate(request_id, num_tokens,
+                                                  new_computed_blocks[g],
                                                   total_computed_tokens)
+            g += 1
         return n
 
     def allocate_new_computed_blocks(self, request_id: str, new_computed_blocks: BlockIds,
@@ -84,10 +87,11 @@ class GroupLogic:
 
     def allocate_new_blocks(self, request_id: str, num_tokens: int,
                             num_encoder_tokens: int) -> BlockIds:
-        return tuple(
-            m.allocate_new_blocks(request_id, num_encoder_tokens if cross else num_tokens)
-            for m, cross in zip(self.managers, self._cross)
-        )
+        out = []
+        for m, cross in zip(self.managers, self._cross):
+            out.append(m.allocate_new_blocks(request_id,
+                                             num_encoder_tokens if cross else num_tokens))
+        return tuple(out)
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         for m in self.managers:

@@ -16,7 +16,7 @@ from kvshm.core.errors import InvalidArgument, RequestTooLong
 from kvshm.core.groups import BlockIds, any_blocks, make_group_logic
 from kvshm.core.hashing import BlockHasher
 from kvshm.core.request import Request
-from kvshm.core.segment import FLAG_CACHED, PoolSegment
+from kvshm.core.segment import FLAG_CACHED, SEQ_WORD, PoolSegment
 from kvshm.core.specs import PoolConfig
 from kvshm.core.table import RequestTable
 
@@ -62,6 +62,8 @@ class KVCacheManager:
         self.empty_blocks: BlockIds = tuple(() for _ in config.groups)
         self._widths = self.table.widths
         self._hbs = config.hash_block_size
+        self._slot_of = self.table.slot_of
+        self._words = segment.words
 
     # -- construction helpers --------------------------------------------------
     def make_hasher(self) -> BlockHasher | None:
@@ -193,7 +195,7 @@ class KVCacheManager:
         num_need_slot = total_computed + num_new_tokens + num_lookahead_tokens
         if num_need_slot > max_len:
             num_need_slot = max_len
-        if rid not in self.table.slot_of:
+        if rid not in self._slot_of:
             self.table.check_room(rid)
         # Growth to num_need_slot (<= max_model_len) always fits a row; only
         # adopted hits, external tokens and encoder tokens need checking.
@@ -202,11 +204,13 @@ class KVCacheManager:
                              num_local + num_external_computed_tokens, num_encoder_tokens,
                              adopts)
         caching = self.enable_caching and not delay_cache_blocks
-        if caching:
+        num_tokens = len(request.all_token_ids)
+        if caching and (len(request.block_hashes) + 1) * self._hbs <= num_tokens:
             self._check_hashes(request)
 
         groups = self.groups
-        self.segment.begin_mutation()
+        words = self._words
+        words[SEQ_WORD] |= 1  # begin_mutation
         try:
             groups.remove_skipped_blocks(rid, total_computed)
             need = groups.get_num_blocks_to_allocate(
@@ -220,8 +224,7 @@ class KVCacheManager:
             new_blocks = groups.allocate_new_blocks(rid, num_need_slot, num_encoder_tokens)
             if caching:
                 n = total_computed + num_new_tokens
-                groups.cache_blocks(request, n if n < request.num_tokens
-                                    else request.num_tokens)
+                groups.cache_blocks(request, n if n < num_tokens else num_tokens)
             return new_blocks
         finally:
             self.block_pool.publish()

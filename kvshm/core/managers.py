@@ -85,23 +85,27 @@ class SingleTypeManager:
         the free queue) to give the request `num_tokens` slots."""
         bs = self.block_size
         num_required = -(-(num_tokens + self.extra_tokens) // bs)
-        num_req_blocks = len(self.req_to_blocks.get(request_id, ()))
+        held = self.req_to_blocks.get(request_id)
+        num_req_blocks = len(held) if held is not None else 0
         if request_id in self.num_cached_block:
             # A running request: no new hits; speculative rejections can leave
             # it holding more than it now needs.
-            return max(num_required - num_req_blocks, 0)
+            n = num_required - num_req_blocks
+            return n if n > 0 else 0
         num_skipped_blocks = self.get_num_skipped_tokens(total_computed_tokens) // bs
-        num_new = max(num_required - max(num_skipped_blocks,
-                                         len(new_computed_blocks) + num_req_blocks), 0)
+        local = len(new_computed_blocks) + num_req_blocks
+        n = num_required - (num_skipped_blocks if num_skipped_blocks > local else local)
+        if not new_computed_blocks:
+            return n if n > 0 else 0
         # Hits below the window are not taken; hits sitting in the free queue
         # leave it when touched, so they count against the free blocks.
-        skip = max(0, num_skipped_blocks - num_req_blocks)
+        skip = num_skipped_blocks - num_req_blocks
         ref = self.pool._ref
         num_evictable = 0
-        for b in new_computed_blocks[skip:]:
+        for b in new_computed_blocks[skip if skip > 0 else 0:]:
             if b and ref[b] == 0:
                 num_evictable += 1
-        return num_new + num_evictable
+        return (n if n > 0 else 0) + num_evictable
 
     def adopt_computed_blocks(self, request_id: str, new_computed_blocks: Sequence[int],
                               num_local_computed_tokens: int,
@@ -200,8 +204,14 @@ class SingleTypeManager:
         num_skipped_tokens = self.get_num_skipped_tokens(total_computed_tokens)
         if num_skipped_tokens <= 0:
             return
-        blocks = self._entry(request_id)
-        n = min(num_skipped_tokens // self.block_size, len(blocks))
+        blocks = self.req_to_blocks.get(request_id)
+        if blocks is None:
+            blocks = self._entry(request_id)
+        n = num_skipped_tokens // self.block_size
+        if n > len(blocks):
+            n = len(blocks)
+        if n == 0 or blocks[n - 1] == NULL_BLOCK:
+            return  # nothing new left the window
         removed = []
         write_null = self.table.write_null
         for i in range(n - 1, -1, -1):

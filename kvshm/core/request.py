@@ -67,14 +67,11 @@ class Request:
 
     def append_token_ids(self, token_ids: Iterable[int]) -> None:
         """Append tokens (decoded or speculative) and hash new full blocks."""
-        old_len = len(self.all_token_ids)
-        self.all_token_ids.extend(_checked_tokens(token_ids))
-        try:
+        tokens = self.all_token_ids
+        tokens.extend(_checked_tokens(token_ids))
+        hasher = self._hasher
+        if hasher is not None and (len(self.block_hashes) + 1) * hasher.block_size <= len(tokens):
             self._extend_hashes()
-        except InvalidArgument:
-            # Leave the request as it was before the bad tokens came in.
-            del self.all_token_ids[old_len:]
-            raise
 
     def _extend_hashes(self) -> None:
         hasher = self._hasher
