@@ -72,9 +72,10 @@ class BlockHasher:
     """
 
     __slots__ = ("algorithm", "seed", "block_size", "digest_size", "none_hash",
-                 "fingerprint", "_fn", "_pack")
+                 "fingerprint", "namespace", "_fn", "_pack", "_ns")
 
-    def __init__(self, algorithm: str, seed: str, block_size: int) -> None:
+    def __init__(self, algorithm: str, seed: str, block_size: int,
+                 namespace: str = "") -> None:
         if block_size <= 0:
             raise InvalidArgument(f"block_size must be positive (got {block_size})")
         self.algorithm = algorithm
@@ -86,6 +87,23 @@ class BlockHasher:
         assert self.digest_size <= HASH_SLOT_BYTES
         self.fingerprint = hash_fingerprint(algorithm, seed)
         self._pack = struct.Struct(f"<{block_size}I").pack
+        # A tenant's namespace: its cache keys are H(ns || hash), so tenants
+        # never share (or poison) each other's blocks.  "" is the identity.
+        self.namespace = namespace
+        self._ns = (_SCHEME + b"\0tenant\0" + namespace.encode() + b"\0") if namespace else b""
+
+    def for_namespace(self, namespace: str) -> "BlockHasher":
+        """The same hasher with cache keys in `namespace`."""
+        return BlockHasher(self.algorithm, self.seed, self.block_size, namespace)
+
+    def keys(self, hashes: list[bytes]) -> list[bytes]:
+        """Prefix-cache keys of chained block hashes (the hashes themselves
+        outside a namespace)."""
+        ns = self._ns
+        if not ns:
+            return hashes
+        fn = self._fn
+        return [fn(ns + h) for h in hashes]
 
     def hash_blocks(
         self,

@@ -204,7 +204,7 @@ class KVCacheManager:
                              num_local + num_external_computed_tokens, num_encoder_tokens,
                              adopts)
         caching = self.enable_caching and not delay_cache_blocks
-        num_tokens = len(request.all_token_ids)
+        num_tokens = request.num_tokens
         if caching and (len(request.block_hashes) + 1) * self._hbs <= num_tokens:
             self._check_hashes(request)
 
@@ -254,7 +254,7 @@ class KVCacheManager:
                         "invented hit; call get_computed_blocks again)")
 
     def _check_hashes(self, request: Request) -> None:
-        if (len(request.block_hashes) + 1) * self._hbs <= len(request.all_token_ids):
+        if (len(request.block_hashes) + 1) * self._hbs <= request.num_tokens:
             raise InvalidArgument(
                 f"request {request.request_id!r} lacks block hashes for its tokens "
                 "(create it with this pool's make_hasher())")

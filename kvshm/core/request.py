@@ -31,11 +31,15 @@ class Request:
     `request_id`, `all_token_ids`, `num_tokens`, `num_computed_tokens`,
     `block_hashes`, `lora_name`, `cache_salt`, `skip_reading_prefix_cache`.
     `hasher` may be None (caching off): then `block_hashes` stays empty.
+
+    A request made with `from_block_hashes` has no token ids
+    (`all_token_ids` is None): its client hashed the tokens itself and sends
+    hashes and token counts instead.
     """
 
-    __slots__ = ("request_id", "all_token_ids", "num_computed_tokens", "block_hashes",
-                 "lora_name", "cache_salt", "skip_reading_prefix_cache",
-                 "num_preemptions", "_hasher", "_extra_every", "_extra_first")
+    __slots__ = ("request_id", "all_token_ids", "num_tokens", "num_computed_tokens",
+                 "block_hashes", "lora_name", "cache_salt", "skip_reading_prefix_cache",
+                 "num_preemptions", "_hasher", "_extra_every", "_extra_first", "_parent")
 
     def __init__(
         self,
@@ -47,31 +51,85 @@ class Request:
         cache_salt: str | None = None,
         skip_reading_prefix_cache: bool = False,
     ) -> None:
+        self._setup(request_id, hasher, lora_name, cache_salt, skip_reading_prefix_cache)
+        self.all_token_ids: list[int] | None = _checked_tokens(list(prompt_token_ids))
+        self.num_tokens = len(self.all_token_ids)
+        self._extend_hashes()
+
+    @classmethod
+    def from_block_hashes(
+        cls,
+        request_id: str,
+        block_hashes: list[bytes],
+        num_tokens: int,
+        hasher: BlockHasher | None = None,
+        *,
+        lora_name: str | None = None,
+        cache_salt: str | None = None,
+        skip_reading_prefix_cache: bool = False,
+    ) -> "Request":
+        """A request known by its token count and the hashes of its full
+        blocks, computed by the client with the pool's algorithm and seed
+        (`hasher` maps them into its tenant's namespace).  Raises
+        InvalidArgument when the hashes do not match the token count."""
+        self = cls.__new__(cls)
+        self._setup(request_id, hasher, lora_name, cache_salt, skip_reading_prefix_cache)
+        self.all_token_ids = None
+        self.num_tokens = 0
+        self.append_block_hashes(block_hashes, num_tokens)
+        return self
+
+    def _setup(self, request_id, hasher, lora_name, cache_salt, skip_read) -> None:
         if not isinstance(request_id, str) or not request_id:
             raise InvalidArgument("request_id must be a non-empty string")
         self.request_id = request_id
-        self.all_token_ids: list[int] = _checked_tokens(list(prompt_token_ids))
         self.num_computed_tokens = 0
         self.lora_name = lora_name
         self.cache_salt = cache_salt
-        self.skip_reading_prefix_cache = skip_reading_prefix_cache
+        self.skip_reading_prefix_cache = skip_read
         self.num_preemptions = 0
         self._hasher = hasher
         self._extra_every, self._extra_first = encode_extra_keys(lora_name, cache_salt)
         self.block_hashes: list[bytes] = []
-        self._extend_hashes()
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.all_token_ids)
+        self._parent: bytes | None = None  # hash of the last full block (chain parent)
 
     def append_token_ids(self, token_ids: Iterable[int]) -> None:
         """Append tokens (decoded or speculative) and hash new full blocks."""
         tokens = self.all_token_ids
+        if tokens is None:
+            raise InvalidArgument(
+                f"request {self.request_id!r} was made from block hashes: append hashes")
         tokens.extend(_checked_tokens(token_ids))
+        self.num_tokens = len(tokens)
         hasher = self._hasher
         if hasher is not None and (len(self.block_hashes) + 1) * hasher.block_size <= len(tokens):
             self._extend_hashes()
+
+    def append_block_hashes(self, block_hashes: list[bytes], num_new_tokens: int) -> None:
+        """Grow a hash-only request by `num_new_tokens` tokens whose newly
+        completed blocks hash to `block_hashes`."""
+        if self.all_token_ids is not None:
+            raise InvalidArgument(
+                f"request {self.request_id!r} has token ids: append tokens")
+        if num_new_tokens < 0:
+            raise InvalidArgument(f"num_new_tokens must be >= 0 (got {num_new_tokens})")
+        hasher = self._hasher
+        num_tokens = self.num_tokens + num_new_tokens
+        expected = 0 if hasher is None else (
+            num_tokens // hasher.block_size - len(self.block_hashes))
+        if len(block_hashes) != expected:
+            raise InvalidArgument(
+                f"request {self.request_id!r}: {num_tokens} tokens need {expected} new "
+                f"block hashes, got {len(block_hashes)}")
+        if block_hashes:
+            size = hasher.digest_size
+            for h in block_hashes:
+                if h.__class__ is not bytes or len(h) != size:
+                    raise InvalidArgument(
+                        f"block hashes must be {size}-byte strings ({hasher.algorithm})")
+            self._parent = block_hashes[-1]
+            self.block_hashes.extend(hasher.keys(block_hashes))
+        self.num_tokens = num_tokens
 
     def _extend_hashes(self) -> None:
         hasher = self._hasher
@@ -80,10 +138,10 @@ class Request:
         hashes = self.block_hashes
         if (len(hashes) + 1) * hasher.block_size > len(self.all_token_ids):
             return
-        hashes.extend(hasher.hash_blocks(
-            self.all_token_ids, len(hashes), hashes[-1] if hashes else None,
-            self._extra_every, self._extra_first,
-        ))
+        raw = hasher.hash_blocks(self.all_token_ids, len(hashes), self._parent,
+                                 self._extra_every, self._extra_first)
+        self._parent = raw[-1]
+        hashes.extend(hasher.keys(raw))
 
     def __repr__(self) -> str:
         return (f"Request({self.request_id!r}, num_tokens={self.num_tokens}, "

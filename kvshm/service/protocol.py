@@ -1,0 +1,251 @@
+"""Every wire type of the coordinator protocol, and the framing.
+
+A frame is a 4-byte little-endian length followed by a msgpack body.  The
+client's first frame is `Hello`, answered by `Welcome` (or `Error`); after
+that every frame carries one operation (or a `Batch` of them) and is
+answered by exactly one frame, in order.  Errors are replies (`Error`), never
+dropped connections, except for frames that cannot be parsed.
+"""
+
+from __future__ import annotations
+
+from typing import Union
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+MAX_FRAME_BYTES = 8 * 2**20
+MAX_BATCH_OPS = 4096
+_LEN = 4
+
+
+class _Op(msgspec.Struct, frozen=True, array_like=True, gc=False, tag_field="op"):
+    pass
+
+
+# -- handshake ----------------------------------------------------------------------
+class Hello(_Op, tag="hello"):
+    version: int
+    pid: int
+    hash_fingerprint: str
+    node: int = -1
+    tenant: str = ""
+    token: str = ""
+
+
+class Welcome(_Op, tag="welcome"):
+    version: int
+    session_id: int
+    config: bytes          # the pool config as canonical JSON
+    pool_segment: str
+    hash_fingerprint: str
+
+
+# -- operations (they mirror KVCacheManager) ----------------------------------------
+class AddRequest(_Op, tag="add"):
+    """A new request: its prompt token ids, or the full-block hashes the
+    client computed plus the token count."""
+
+    req: str
+    prompt: list[int] | None = None
+    block_hashes: list[bytes] | None = None
+    num_tokens: int = 0
+    lora_name: str | None = None
+    cache_salt: str | None = None
+    skip_prefix_cache_read: bool = False
+
+
+class Advance(_Op, tag="advance"):
+    """Scheduler bookkeeping: set num_computed_tokens, append tokens (or the
+    hashes of newly completed blocks plus the new token count)."""
+
+    req: str
+    num_computed_tokens: int
+    append: list[int] = []
+    append_hashes: list[bytes] = []
+    num_appended: int = 0
+
+
+class GetComputedBlocks(_Op, tag="hits"):
+    req: str
+
+
+class AllocateSlots(_Op, tag="alloc"):
+    req: str
+    num_new_tokens: int
+    num_new_computed_tokens: int = 0
+    use_computed_blocks: bool = False
+    num_lookahead_tokens: int = 0
+    num_external_computed_tokens: int = 0
+    delay_cache_blocks: bool = False
+    num_encoder_tokens: int = 0
+
+
+class CacheBlocks(_Op, tag="cache"):
+    req: str
+    num_computed_tokens: int
+
+
+class Free(_Op, tag="free"):
+    req: str
+    preempted: bool = False
+
+
+class RemoveSkippedBlocks(_Op, tag="skip"):
+    req: str
+    total_computed_tokens: int
+
+
+class GetBlockIds(_Op, tag="ids"):
+    req: str
+
+
+class NumCommonPrefixBlocks(_Op, tag="common"):
+    req: str
+
+
+class ResetPrefixCache(_Op, tag="reset"):
+    pass
+
+
+class EvictBlocks(_Op, tag="evict"):
+    block_ids: list[int]
+
+
+class GetStats(_Op, tag="stats"):
+    pass
+
+
+Op = Union[AddRequest, Advance, GetComputedBlocks, AllocateSlots, CacheBlocks, Free,
+           RemoveSkippedBlocks, GetBlockIds, NumCommonPrefixBlocks, ResetPrefixCache,
+           EvictBlocks, GetStats]
+
+
+class Batch(_Op, tag="batch"):
+    """Several operations in one frame (a scheduler step), executed in order
+    with no other session's operation in between; one `BatchReply`."""
+
+    ops: list[Op]
+
+
+Message = Union[Hello, Batch, AddRequest, Advance, GetComputedBlocks, AllocateSlots,
+                CacheBlocks, Free, RemoveSkippedBlocks, GetBlockIds,
+                NumCommonPrefixBlocks, ResetPrefixCache, EvictBlocks, GetStats]
+
+
+# -- replies ------------------------------------------------------------------------------
+class Done(_Op, tag="done"):
+    """Success without a value (add, advance, cache)."""
+
+
+class ComputedBlocks(_Op, tag="hits"):
+    block_ids: list[list[int]]
+    num_computed_tokens: int
+
+
+class Allocated(_Op, tag="alloc"):
+    new_block_ids: list[list[int]] | None   # None: not enough free blocks
+    num_free_blocks: int
+
+
+class FreeBlocks(_Op, tag="free"):
+    num_free_blocks: int
+
+
+class BlockIds(_Op, tag="ids"):
+    block_ids: list[list[int]]
+
+
+class CommonPrefix(_Op, tag="common"):
+    num_blocks: list[int]
+
+
+class ResetResult(_Op, tag="reset"):
+    ok: bool
+
+
+class Stats(_Op, tag="stats"):
+    num_blocks: int
+    num_free_blocks: int
+    num_cached_blocks: int
+    usage: float
+    num_requests: int
+    num_sessions: int
+    queries: int
+    hits: int
+    query_tokens: int
+    hit_tokens: int
+
+
+class Error(_Op, tag="error"):
+    code: str
+    message: str
+
+
+Reply = Union[Done, ComputedBlocks, Allocated, FreeBlocks, BlockIds, CommonPrefix,
+              ResetResult, Stats, Error]
+
+
+class BatchReply(_Op, tag="batch"):
+    """Per-op replies of a Batch; execution stops at the first error (later
+    ops are not run and have no reply)."""
+
+    results: list[Reply]
+
+
+ServerMessage = Union[Welcome, BatchReply, Done, ComputedBlocks, Allocated, FreeBlocks,
+                      BlockIds, CommonPrefix, ResetResult, Stats, Error]
+
+
+# -- framing --------------------------------------------------------------------------
+class FrameTooLarge(Exception):
+    def __init__(self, size: int, limit: int) -> None:
+        super().__init__(f"frame of {size} bytes exceeds the limit of {limit}")
+        self.size = size
+        self.limit = limit
+
+
+_encoder = msgspec.msgpack.Encoder()
+
+
+def encode_frame(msg: msgspec.Struct) -> bytes:
+    """Length prefix + msgpack body."""
+    body = _encoder.encode(msg)
+    return len(body).to_bytes(_LEN, "little") + body
+
+
+class FrameReader:
+    """Incremental frame splitter: feed bytes, get complete bodies.
+
+    Raises FrameTooLarge as soon as a header announces a frame over `limit`.
+    """
+
+    __slots__ = ("_buf", "limit")
+
+    def __init__(self, limit: int = MAX_FRAME_BYTES) -> None:
+        self._buf = bytearray()
+        self.limit = limit
+
+    def feed(self, data: bytes) -> list[bytes]:
+        buf = self._buf
+        buf += data
+        out = []
+        pos = 0
+        n = len(buf)
+        while n - pos >= _LEN:
+            size = int.from_bytes(buf[pos:pos + _LEN], "little")
+            if size > self.limit:
+                raise FrameTooLarge(size, self.limit)
+            end = pos + _LEN + size
+            if end > n:
+                break
+            out.append(bytes(buf[pos + _LEN:end]))
+            pos = end
+        if pos:
+            del buf[:pos]
+        return out
+
+    @property
+    def pending(self) -> int:
+        """Bytes of an incomplete frame held back."""
+        return len(self._buf)
