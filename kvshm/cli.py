@@ -37,15 +37,21 @@ def cmd_replay(args: argparse.Namespace) -> int:
         row["ops"] = len(ops)
         reports = []
         try:
-            mismatch = replay_trace(
-                cfg, ops, after=lambda mgr: reports.append(check_segment(mgr.segment,
-                                                                         mgr.block_pool)))
+            if args.ipc:
+                from kvshm.service.ipc_replay import replay_trace_ipc
+                mismatch, seconds = replay_trace_ipc(
+                    cfg, ops, batch=args.batch_size if args.batch else 0)
+                row["ipc_ops_per_s"] = len(ops) / seconds if seconds else None
+            else:
+                mismatch = replay_trace(
+                    cfg, ops, after=lambda mgr: reports.append(
+                        check_segment(mgr.segment, mgr.block_pool)))
         except KvshmError as e:  # a config kvshm refuses
             mismatch = f"pool not created: {e}"
         problem = str(mismatch) if mismatch else None
         if problem is None and reports and not reports[0].clean:
             problem = "pool check after replay: " + "; ".join(reports[0].problems)
-        if problem is None and args.bench:
+        if problem is None and args.bench and not args.ipc:
             bench_mismatch, times = bench_trace(cfg, ops, runs=args.runs)
             if bench_mismatch:
                 problem = str(bench_mismatch)
@@ -150,9 +156,82 @@ def cmd_demo(args: argparse.Namespace) -> int:
     traces = Path(args.traces)
     if traces.exists():
         print(f"conformance replay of {traces}:")
-        ns = argparse.Namespace(paths=[str(traces)], bench=False, runs=1, json=False)
+        ns = argparse.Namespace(paths=[str(traces)], bench=False, runs=1, json=False,
+                                ipc=False, batch=False, batch_size=0)
         return cmd_replay(ns) or (0 if report.clean else 1)
     return 0 if report.clean else 1
+
+
+def _preset_names() -> list[str]:
+    from kvshm.service.presets import PRESETS
+    return list(PRESETS)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from kvshm.core.specs import PoolConfig
+    from kvshm.service.presets import parse_size, preset_config
+    from kvshm.service.server import default_socket_path, run_async, serve
+
+    if args.preset:
+        config = preset_config(args.preset, num_blocks=args.num_blocks,
+                               kv_memory=parse_size(args.kv_memory) if args.kv_memory else None)
+    else:
+        if args.kv_memory:
+            print("kvshm serve: --kv-memory needs --preset (a config file has no "
+                  "per-block byte size); use --num-blocks", file=sys.stderr)
+            return 2
+        overrides = {"num_blocks": args.num_blocks} if args.num_blocks else {}
+        config = PoolConfig.from_file(args.config, **overrides)
+    token = None
+    if args.token_file:
+        try:
+            token = Path(args.token_file).read_text().strip()
+        except OSError as e:
+            print(f"kvshm serve: cannot read {args.token_file}: {e.strerror}", file=sys.stderr)
+            return 2
+    sock = Path(args.socket) if args.socket else default_socket_path(args.name)
+
+    def ready(coord) -> None:
+        if not args.quiet:
+            seg = coord.mgr.segment
+            print(f"kvshm coordinator: pool {args.name!r}, {config.num_blocks} blocks, "
+                  f"{len(config.groups)} group(s), caching "
+                  f"{'on' if config.enable_caching else 'off'}; segment /dev/shm/{seg.name} "
+                  f"({seg.layout.size:,} bytes); hash {config.hash_algorithm} "
+                  f"fingerprint {coord.fingerprint}", flush=True)
+        print(f"ready {args.name} {sock}", flush=True)
+
+    run_async(serve(config, name=args.name, socket_path=sock, token=token,
+                          allow_other_uids=args.allow_other_uids, ready=ready))
+    if not args.quiet:
+        print("kvshm coordinator: stopped, segment removed", flush=True)
+    return 0
+
+
+def cmd_stats(args: argparse.Namespace) -> int:
+    from kvshm.core.segment import PoolSegment
+    from kvshm.core.stats import read_stats
+
+    seg = PoolSegment.attach(args.name)
+    try:
+        st = read_stats(seg)
+    finally:
+        seg.close()
+    if args.json:
+        print(json.dumps(st, indent=2))
+        return 0
+    print(f"pool {args.name}: {st['num_blocks']} blocks, {st['num_free_blocks']} free, "
+          f"{st['num_cached_blocks']} cached, {st['num_used_blocks']} used "
+          f"(usage {st['usage']:.1%})")
+    print(f"  requests {st['num_requests']}; prefix cache: {st['queries']} lookups, "
+          f"{st['hits']} with a hit; {st['hit_tokens']} of {st['query_tokens']} tokens hit")
+    print(f"  coordinator pid {st['coordinator_pid']} "
+          f"({'alive' if st['coordinator_alive'] else 'DEAD'}), up {st['uptime_s']:.0f}s, "
+          f"generation {st['generation']}")
+    for sess in st["sessions"]:
+        print(f"  session {sess['session']}: {sess['requests']} requests, "
+              f"{sess['blocks']} block references")
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -164,7 +243,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bench", action="store_true", help="also time each trace (median of --runs)")
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--json", action="store_true", help="print one JSON document")
+    p.add_argument("--ipc", action="store_true",
+                   help="replay through a coordinator process and the client")
+    p.add_argument("--batch", action="store_true",
+                   help="with --ipc: send ops in batches (scheduler-step frames)")
+    p.add_argument("--batch-size", type=int, default=64, help="ops per batch (64)")
     p.set_defaults(fn=cmd_replay)
+
+    p = sub.add_parser("serve", help="run the coordinator in the foreground")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--config", help="pool config file (.toml or .json)")
+    src.add_argument("--preset", help="a model-shaped preset: " + ", ".join(_preset_names()))
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--num-blocks", type=int, help="pool size in blocks")
+    size.add_argument("--kv-memory", help="KV memory budget (e.g. 4G) -> blocks (presets)")
+    p.add_argument("--name", default="kvshm", help="pool name: segment and socket names")
+    p.add_argument("--socket", help="socket path (default: per-user runtime dir)")
+    p.add_argument("--token-file", help="clients must present this file's content")
+    p.add_argument("--allow-other-uids", action="store_true",
+                   help="accept clients of other users (default: same uid only)")
+    p.add_argument("--quiet", action="store_true", help="print only the ready line")
+    p.set_defaults(fn=cmd_serve)
+
+    p = sub.add_parser("stats", help="pool statistics, read from the segment directly")
+    p.add_argument("name", nargs="?", default="kvshm", help="pool name (default kvshm)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(fn=cmd_stats)
 
     p = sub.add_parser("check", help="verify the invariants of a pool segment")
     p.add_argument("name", help="segment name (see `kvshm ls`)")

@@ -13,6 +13,13 @@ class KvshmError(Exception):
 
     code = "ERROR"
 
+    @classmethod
+    def from_message(cls, message: str) -> "KvshmError":
+        """Rebuild an error from its wire form (code -> class, message)."""
+        err = cls.__new__(cls)
+        Exception.__init__(err, message)
+        return err
+
 
 class ConfigError(KvshmError, ValueError):
     """A pool config breaks a rule; `field` names the offending field."""
@@ -52,6 +59,13 @@ class DuplicateRequest(KvshmError, ValueError):
     def __init__(self, request_id: str) -> None:
         super().__init__(f"request {request_id!r} already exists")
         self.request_id = request_id
+
+
+class StaleHits(InvalidArgument):
+    """Prefix-cache hits passed to allocate_slots are no longer cached (another
+    request reused those blocks in between): look them up again."""
+
+    code = "STALE_HITS"
 
 
 class RequestTableFull(KvshmError):

@@ -12,7 +12,7 @@ import os
 from collections.abc import Iterable
 
 from kvshm.core.block_pool import BlockPool
-from kvshm.core.errors import InvalidArgument, RequestTooLong
+from kvshm.core.errors import InvalidArgument, RequestTooLong, StaleHits
 from kvshm.core.groups import BlockIds, any_blocks, make_group_logic
 from kvshm.core.hashing import BlockHasher
 from kvshm.core.request import Request
@@ -249,7 +249,7 @@ class KVCacheManager:
                 if b.__class__ is not int or not 0 <= b < n:
                     raise InvalidArgument(f"group {g}: block id {b!r} is not in [0, {n})")
                 if b and not flags[b] & FLAG_CACHED:
-                    raise InvalidArgument(
+                    raise StaleHits(
                         f"group {g}: block {b} is not in the prefix cache (a stale or "
                         "invented hit; call get_computed_blocks again)")
 

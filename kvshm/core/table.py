@@ -77,6 +77,14 @@ class RequestTable:
         self._free_slots.append(slot)
         self._words[NUM_REQUESTS_WORD] = len(self.slot_of)
 
+    def set_owner(self, request_id: str, owner: int) -> None:
+        """Record the session that owns the request in its slot, if it holds
+        one (for stats readers)."""
+        slot = self.slot_of.get(request_id)
+        if slot is not None:
+            self._meta[slot * SLOT_META_FIELDS + 1] = owner
+
+    # -- per-group rows ------------------------------------------------------
     def write_blocks(self, request_id: str, group: int, start: int, ids: list[int]) -> None:
         """Row `group` of the request becomes its first `start` ids + `ids`."""
         slot = self.slot(request_id)

@@ -113,7 +113,7 @@ class EvictBlocks(_Op, tag="evict"):
 
 
 class GetStats(_Op, tag="stats"):
-    pass
+    free_head: int = 0   # also return this many free-queue ids (eviction order)
 
 
 Op = Union[AddRequest, Advance, GetComputedBlocks, AllocateSlots, CacheBlocks, Free,
@@ -175,6 +175,7 @@ class Stats(_Op, tag="stats"):
     hits: int
     query_tokens: int
     hit_tokens: int
+    free_head: list[int] = []
 
 
 class Error(_Op, tag="error"):

@@ -1,0 +1,5 @@
+import sys
+
+from kvshm.cli import main
+
+sys.exit(main())

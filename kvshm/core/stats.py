@@ -1,0 +1,64 @@
+"""Pool statistics read straight from a segment (no socket, any process)."""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+
+from kvshm.core.segment import FLAG_CACHED, SEQ_WORD, PoolSegment, segment_info
+from kvshm.core.table import NO_ENTRY
+
+
+def read_stats(seg: PoolSegment, timeout: float = 1.0) -> dict:
+    """Blocks total/free/cached/used, usage, requests and blocks per owning
+    session, prefix-cache lookups and hits, coordinator pid, liveness,
+    uptime.  Retries until it copies a state no mutation overlapped."""
+    cfg = seg.config
+    groups = len(cfg.groups)
+    widths = seg.layout.widths
+    deadline = time.monotonic() + timeout
+    while True:
+        before = seg.words[SEQ_WORD]
+        counters = {f: seg.get(f) for f in ("num_free_blocks", "queries", "hits",
+                                              "query_tokens", "hit_tokens", "num_requests")}
+        cached = bytes(seg.flags).count(FLAG_CACHED)
+        sessions: dict[int, dict] = defaultdict(lambda: {"requests": 0, "blocks": 0})
+        meta, counts = seg.slot_meta, seg.slot_counts
+        for slot in range(cfg.max_num_seqs):
+            if not meta[slot * 4 + 2]:
+                continue
+            row = sessions[meta[slot * 4 + 1]]
+            row["requests"] += 1
+            for g in range(groups):
+                n = counts[(slot * groups + g) * 2]
+                if n != NO_ENTRY:
+                    base = slot * widths[g]
+                    row["blocks"] += sum(1 for b in seg.tables[g][base:base + n] if b)
+        after = seg.words[SEQ_WORD]
+        if before == after and not before & 1:
+            break
+        if time.monotonic() > deadline:
+            break  # report what we saw; it may be slightly torn
+        time.sleep(0.0005)
+    n = cfg.num_blocks
+    free = counters["num_free_blocks"]
+    info = segment_info(seg.name) or {"pid": seg.get("coordinator_pid"), "alive": False}
+    return {
+        "name": seg.name,
+        "num_blocks": n,
+        "num_free_blocks": free,
+        "num_cached_blocks": cached,
+        "num_used_blocks": n - 1 - free,
+        "usage": 1.0 - free / (n - 1),
+        "num_requests": counters["num_requests"],
+        "queries": counters["queries"],
+        "hits": counters["hits"],
+        "query_tokens": counters["query_tokens"],
+        "hit_tokens": counters["hit_tokens"],
+        "coordinator_pid": info["pid"],
+        "coordinator_alive": info["alive"],
+        "uptime_s": (time.time_ns() - seg.get("created_ns")) / 1e9,
+        "generation": seg.get("generation"),
+        "consistent": before == after and not before & 1,
+        "sessions": [{"session": k, **v} for k, v in sorted(sessions.items())],
+    }

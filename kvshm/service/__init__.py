@@ -1,0 +1,1 @@
+"""The coordinator process, its wire protocol and the asyncio client."""

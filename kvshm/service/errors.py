@@ -1,0 +1,110 @@
+"""Errors of the service layer, and the one table that maps a wire error code
+to its exception class on the client."""
+
+from __future__ import annotations
+
+from kvshm.core.block_pool import NoFreeBlocks
+from kvshm.core.errors import (
+    ConfigError,
+    DuplicateRequest,
+    InvalidArgument,
+    KvshmError,
+    RequestTableFull,
+    RequestTooLong,
+    SegmentError,
+    ShmSpaceError,
+    StaleHits,
+    UnknownRequest,
+)
+
+
+class ProtocolError(KvshmError):
+    """A message the coordinator could not accept (undecodable, wrong field
+    types, unknown op, out of sequence)."""
+
+    code = "BAD_MESSAGE"
+
+
+class FrameTooLarge(ProtocolError):
+    """A frame over the size limit; the coordinator closes the connection."""
+
+    code = "FRAME_TOO_LARGE"
+
+
+class BatchTooLarge(ProtocolError):
+    code = "BATCH_TOO_LARGE"
+
+
+class HandshakeRequired(ProtocolError):
+    code = "HANDSHAKE_REQUIRED"
+
+
+class HandshakeError(KvshmError):
+    """The coordinator refused the connection at handshake."""
+
+    code = "HANDSHAKE_FAILED"
+
+
+class VersionMismatch(HandshakeError):
+    code = "VERSION_MISMATCH"
+
+
+class HashMismatch(HandshakeError):
+    """Client and pool hash with different (algorithm, seed): their block
+    hashes would silently never match."""
+
+    code = "HASH_MISMATCH"
+
+
+class Forbidden(HandshakeError):
+    """Wrong uid or auth token."""
+
+    code = "FORBIDDEN"
+
+
+class NotOwner(KvshmError):
+    """The request belongs to another session."""
+
+    code = "NOT_OWNER"
+
+
+class InternalError(KvshmError):
+    """A bug in the coordinator (reported, the coordinator keeps serving)."""
+
+    code = "INTERNAL"
+
+
+class ConnectionClosed(KvshmError):
+    """This client closed the connection (or never opened it)."""
+
+    code = "CLOSED"
+
+
+class ConnectionLost(KvshmError):
+    """The coordinator went away or broke the connection."""
+
+    code = "CONNECTION_LOST"
+
+
+class RequestTimeout(KvshmError):
+    """No reply within the call's timeout (the reply is discarded if it
+    comes later; the connection stays usable)."""
+
+    code = "TIMEOUT"
+
+
+ERROR_CLASSES: dict[str, type[KvshmError]] = {cls.code: cls for cls in (
+    ConfigError, InvalidArgument, StaleHits, UnknownRequest, DuplicateRequest,
+    RequestTableFull, RequestTooLong, SegmentError, ShmSpaceError, NoFreeBlocks,
+    ProtocolError, FrameTooLarge, BatchTooLarge, HandshakeRequired, HandshakeError,
+    VersionMismatch, HashMismatch, Forbidden, NotOwner, InternalError,
+)}
+
+
+def error_from_wire(code: str, message: str) -> KvshmError:
+    """The exception for an Error reply (unknown codes map to KvshmError)."""
+    cls = ERROR_CLASSES.get(code, KvshmError)
+    err = cls.from_message(message)
+    if cls is KvshmError:
+        err.code = code
+    return err
