@@ -209,10 +209,12 @@ class FrameTooLarge(Exception):
 _encoder = msgspec.msgpack.Encoder()
 
 
-def encode_frame(msg: msgspec.Struct) -> bytes:
-    """Length prefix + msgpack body."""
-    body = _encoder.encode(msg)
-    return len(body).to_bytes(_LEN, "little") + body
+def encode_frame(msg: msgspec.Struct) -> bytearray:
+    """Length prefix + msgpack body, encoded in place."""
+    buf = bytearray(_LEN)
+    _encoder.encode_into(msg, buf, _LEN)
+    buf[:_LEN] = (len(buf) - _LEN).to_bytes(_LEN, "little")
+    return buf
 
 
 class FrameReader:
@@ -227,8 +229,16 @@ class FrameReader:
         self._buf = bytearray()
         self.limit = limit
 
-    def feed(self, data: bytes) -> list[bytes]:
+    def feed(self, data: bytes) -> list[bytes | memoryview]:
         buf = self._buf
+        if not buf and len(data) >= _LEN:
+            # Fast path: exactly one whole frame arrived (the common case for
+            # request/reply traffic): no copy.
+            size = int.from_bytes(data[:_LEN], "little")
+            if size + _LEN == len(data):
+                if size > self.limit:
+                    raise FrameTooLarge(size, self.limit)
+                return [memoryview(data)[_LEN:]]
         buf += data
         out = []
         pos = 0
