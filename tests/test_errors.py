@@ -289,7 +289,7 @@ def test_invented_or_stale_hits_are_rejected():
     with KVCacheManager(make_config(max_model_len=8)) as m:
         h = m.make_hasher()
         r = Request("r", tokens(0, 20), h)
-        with pytest.raises(InvalidArgument, match="not in the prefix cache"):
+        with pytest.raises(InvalidArgument, match="stale or invented hit"):
             m.allocate_slots(r, 1, 12, ([1, 2, 3],))
         assert m.block_pool.free_queue() == [1, 2, 3, 4, 5, 6, 7, 8, 9]
 
@@ -413,4 +413,30 @@ def test_freeing_an_unknown_request_is_a_no_op():
         m.free("a")  # twice: also a no-op
         assert m.block_pool.free_queue() == [6, 7, 8, 9, 5, 4, 3, 2, 1]
         assert len(m.table) == 0
+        assert_clean(m)
+
+
+def test_hits_reused_for_other_tokens_since_the_lookup_are_stale():
+    """A hit block that was evicted and re-cached with other content between
+    get_computed_blocks and allocate_slots (another session's allocation, in
+    the coordinator) is refused with StaleHits, and nothing changes."""
+    from kvshm.core.errors import StaleHits
+
+    with KVCacheManager(make_config(num_blocks=5)) as m:
+        h = m.make_hasher()
+        a = Request("a", tokens(0, 8), h)
+        assert ids(m.allocate_slots(a, 8)) == [[1, 2]]
+        m.free(a)
+        b = Request("b", tokens(0, 9), h)
+        hits, n = m.get_computed_blocks(b)
+        assert (ids(hits), n) == ([[1, 2]], 8)
+        # Another request takes every free block (evicting 1 and 2) and
+        # caches its own tokens in them.
+        c = Request("c", tokens(100, 116), h)
+        assert ids(m.allocate_slots(c, 16)) == [[3, 4, 2, 1]]
+        before = (m.num_free_blocks, m.block_pool.free_queue(), ids(m.get_block_ids("c")))
+        with pytest.raises(StaleHits, match="block 1 is not cached for this request"):
+            m.allocate_slots(b, 1, n, hits)
+        assert (m.num_free_blocks, m.block_pool.free_queue(), ids(m.get_block_ids("c"))) == before
+        assert ids(m.get_block_ids("b")) == [[]]
         assert_clean(m)

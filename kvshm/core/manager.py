@@ -184,7 +184,7 @@ class KVCacheManager:
         hits = self.empty_blocks
         adopts = num_external_computed_tokens > 0
         if new_computed_blocks is not None and any_blocks(new_computed_blocks):
-            self._check_hits(rid, new_computed_blocks)
+            self._check_hits(request, new_computed_blocks)
             hits = new_computed_blocks
             adopts = True
         max_len = self.max_model_len
@@ -229,7 +229,12 @@ class KVCacheManager:
         finally:
             self.block_pool.publish()
 
-    def _check_hits(self, rid: str, hits: BlockIds) -> None:
+    def _check_hits(self, request: Request, hits: BlockIds) -> None:
+        """Hits must be what get_computed_blocks returns for this request now:
+        each block cached, for its group, under the request's hash at its
+        position (a block reused for other tokens since the lookup is a stale
+        hit)."""
+        rid = request.request_id
         if not self.enable_caching:
             raise InvalidArgument("prefix-cache hits passed to a pool with caching off")
         if len(hits) != self.num_kv_cache_groups:
@@ -237,7 +242,8 @@ class KVCacheManager:
                 f"new_computed_blocks has {len(hits)} groups, the pool has "
                 f"{self.num_kv_cache_groups}")
         n = self.config.num_blocks
-        flags = self.segment.flags
+        pool = self.block_pool
+        group_of = self.segment.hash_group
         for g, (m, blocks) in enumerate(zip(self.groups.managers, hits)):
             if not blocks:
                 continue
@@ -245,13 +251,17 @@ class KVCacheManager:
                 raise InvalidArgument(
                     f"request {rid!r} already holds blocks: prefix-cache hits are "
                     "only for a new (or preempted) request")
-            for b in blocks:
+            keys = m.group_hashes(request.block_hashes)
+            if len(blocks) > len(keys):
+                raise InvalidArgument(
+                    f"group {g}: {len(blocks)} hits for a request of {len(keys)} full blocks")
+            for i, b in enumerate(blocks):
                 if b.__class__ is not int or not 0 <= b < n:
                     raise InvalidArgument(f"group {g}: block id {b!r} is not in [0, {n})")
-                if b and not flags[b] & FLAG_CACHED:
+                if b and (pool.block_hash(b) != keys[i] or group_of[b] != g):
                     raise StaleHits(
-                        f"group {g}: block {b} is not in the prefix cache (a stale or "
-                        "invented hit; call get_computed_blocks again)")
+                        f"group {g}: block {b} is not cached for this request's block "
+                        f"{i} (a stale or invented hit; call get_computed_blocks again)")
 
     def _check_hashes(self, request: Request) -> None:
         if (len(request.block_hashes) + 1) * self._hbs <= request.num_tokens:
