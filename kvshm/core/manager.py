@@ -16,7 +16,7 @@ from kvshm.core.errors import InvalidArgument, RequestTooLong, StaleHits
 from kvshm.core.groups import BlockIds, any_blocks, make_group_logic
 from kvshm.core.hashing import BlockHasher
 from kvshm.core.request import Request
-from kvshm.core.segment import FLAG_CACHED, SEQ_WORD, PoolSegment
+from kvshm.core.segment import SEQ_WORD, PoolSegment
 from kvshm.core.specs import PoolConfig
 from kvshm.core.table import RequestTable
 

@@ -31,10 +31,15 @@ from kvshm.service.errors import (
 )
 
 
+REPLY_LIMIT_BYTES = 2**30
+
+
 class _Wire(asyncio.Protocol):
     def __init__(self) -> None:
         self.transport: asyncio.Transport | None = None
-        self.reader = p.FrameReader()
+        # Replies can legitimately be large (a batch of block tables): the
+        # client trusts its coordinator and only guards against nonsense.
+        self.reader = p.FrameReader(limit=REPLY_LIMIT_BYTES)
         self.decoder = msgspec.msgpack.Decoder(p.ServerMessage)
         self.waiters: deque[asyncio.Future] = deque()
         self.lost: Exception | None = None
@@ -45,12 +50,13 @@ class _Wire(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         try:
-            bodies = self.reader.feed(data)
-            for body in bodies:
+            for body in self.reader.feed(data):
                 msg = self.decoder.decode(body)
                 fut = self.waiters.popleft()
                 if not fut.done():  # cancelled calls just drop their reply
                     fut.set_result(msg)
+            if self.reader.broken is not None:
+                raise self.reader.broken
         except (p.FrameTooLarge, msgspec.DecodeError, IndexError) as e:
             self._fail(ProtocolError(f"unreadable reply from the coordinator: {e}"))
             self.transport.close()

@@ -220,24 +220,27 @@ def encode_frame(msg: msgspec.Struct) -> bytearray:
 class FrameReader:
     """Incremental frame splitter: feed bytes, get complete bodies.
 
-    Raises FrameTooLarge as soon as a header announces a frame over `limit`.
+    When a header announces a frame over `limit`, the complete frames before
+    it are still returned and `broken` is set (a FrameTooLarge): the stream
+    cannot be resynchronised after it.
     """
 
-    __slots__ = ("_buf", "limit")
+    __slots__ = ("_buf", "limit", "broken")
 
     def __init__(self, limit: int = MAX_FRAME_BYTES) -> None:
         self._buf = bytearray()
         self.limit = limit
+        self.broken: FrameTooLarge | None = None
 
     def feed(self, data: bytes) -> list[bytes | memoryview]:
+        if self.broken is not None:
+            return []
         buf = self._buf
         if not buf and len(data) >= _LEN:
             # Fast path: exactly one whole frame arrived (the common case for
             # request/reply traffic): no copy.
             size = int.from_bytes(data[:_LEN], "little")
-            if size + _LEN == len(data):
-                if size > self.limit:
-                    raise FrameTooLarge(size, self.limit)
+            if size + _LEN == len(data) and size <= self.limit:
                 return [memoryview(data)[_LEN:]]
         buf += data
         out = []
@@ -246,7 +249,9 @@ class FrameReader:
         while n - pos >= _LEN:
             size = int.from_bytes(buf[pos:pos + _LEN], "little")
             if size > self.limit:
-                raise FrameTooLarge(size, self.limit)
+                self.broken = FrameTooLarge(size, self.limit)
+                buf.clear()
+                return out
             end = pos + _LEN + size
             if end > n:
                 break

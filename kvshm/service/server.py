@@ -9,12 +9,14 @@ loop is the only writer and every operation (and every batch) is atomic.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import itertools
 import logging
 import os
 import socket
 import stat
 import struct
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 
@@ -67,6 +69,8 @@ class Session(asyncio.Protocol):
         self.hasher = None
         self.requests: set[str] = set()
         self.peer_pid = 0
+        self._bodies: deque = deque()   # frames read but not yet answered
+        self._paused = False            # the peer is not reading our replies
 
     # -- asyncio.Protocol ----------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -90,29 +94,38 @@ class Session(asyncio.Protocol):
         self.coord._end_session(self)
 
     def pause_writing(self) -> None:
-        # The client is not reading its replies: stop reading its requests
-        # until it catches up, so nothing buffers without bound.
+        # The client is not reading its replies: stop reading (and answering)
+        # its requests until it catches up, so nothing buffers without bound.
+        self._paused = True
         if self.transport is not None:
             self.transport.pause_reading()
 
     def resume_writing(self) -> None:
+        self._paused = False
         if self.transport is not None and not self.transport.is_closing():
             self.transport.resume_reading()
+            self._answer()
 
     def data_received(self, data: bytes) -> None:
-        try:
-            bodies = self.reader.feed(data)
-        except p.FrameTooLarge as e:
-            self._fatal(FrameTooLarge.code, str(e))
-            return
-        for body in bodies:
-            if self.transport is None or self.transport.is_closing():
+        self._bodies.extend(self.reader.feed(data))
+        self._answer()
+
+    def _answer(self) -> None:
+        bodies = self._bodies
+        handle = self.coord._handle
+        while bodies and not self._paused:
+            t = self.transport
+            if t is None or t.is_closing():
+                bodies.clear()
                 return
-            self._reply(self.coord._handle(self, body))
+            self._reply(handle(self, bodies.popleft()))
+        if not bodies and self.reader.broken is not None and not self.transport.is_closing():
+            self._fatal(FrameTooLarge.code, str(self.reader.broken))
 
     # -- helpers -----------------------------------------------------------------------
-    def _reply(self, msg: msgspec.Struct) -> None:
-        self.transport.write(p.encode_frame(msg))
+    def _reply(self, msg: msgspec.Struct | None) -> None:
+        if msg is not None:
+            self.transport.write(p.encode_frame(msg))
 
     def _fatal(self, code: str, message: str) -> None:
         self._reply(p.Error(code, message))
@@ -151,6 +164,7 @@ class Coordinator:
         self.requests: dict[str, _ReqState] = {}
         self._session_ids = itertools.count(1)
         self._server: asyncio.AbstractServer | None = None
+        self._bound = False
         self._decoder = msgspec.msgpack.Decoder(p.Message)
         self._config_json = self.config.to_json()
         self._hashers: dict[str, object] = {}
@@ -170,13 +184,16 @@ class Coordinator:
         if path.exists() or path.is_symlink():
             if not stat.S_ISSOCK(path.lstat().st_mode):
                 raise InvalidArgument(f"{path} exists and is not a socket")
-            path.unlink()  # a stale socket: the pool segment name is the lock
+            if _socket_answers(path):
+                raise InvalidArgument(f"another coordinator listens on {path}")
+            path.unlink()  # a stale socket of a dead coordinator
         old_umask = os.umask(0o177)
         try:
             self._server = await asyncio.get_running_loop().create_unix_server(
                 lambda: Session(self), str(path))
         finally:
             os.umask(old_umask)
+        self._bound = True
         os.chmod(path, 0o600)
 
     async def stop(self) -> None:
@@ -191,10 +208,12 @@ class Coordinator:
             self._server = None
         for s in list(self.sessions.values()):
             self._end_session(s)
-        try:
-            self.socket_path.unlink()
-        except FileNotFoundError:
-            pass
+        if self._bound:  # only ever remove the socket this coordinator made
+            self._bound = False
+            try:
+                self.socket_path.unlink()
+            except FileNotFoundError:
+                pass
         self.mgr.close()
 
     # -- sessions ----------------------------------------------------------------------------
@@ -225,7 +244,12 @@ class Coordinator:
         if s.hello is None:
             if msg.__class__ is not p.Hello:
                 return p.Error(HandshakeRequired.code, "the first message must be Hello")
-            return self._handshake(s, msg)
+            reply = self._handshake(s, msg)
+            if reply.__class__ is p.Error:  # no second guess on this connection
+                s.transport.write(p.encode_frame(reply))
+                s.transport.close()
+                return None
+            return reply
         cls = msg.__class__
         if cls is p.Batch:
             ops = msg.ops
@@ -247,7 +271,8 @@ class Coordinator:
         if hello.version != p.PROTOCOL_VERSION:
             return p.Error(VersionMismatch.code, f"protocol version {hello.version} "
                            f"is not this coordinator's {p.PROTOCOL_VERSION}")
-        if self.token is not None and hello.token != self.token:
+        if self.token is not None and not hmac.compare_digest(hello.token.encode(),
+                                                              self.token.encode()):
             return p.Error(Forbidden.code, "missing or wrong auth token")
         if hello.hash_fingerprint != self.fingerprint:
             return p.Error(HashMismatch.code, f"hash fingerprint {hello.hash_fingerprint} "
@@ -335,6 +360,7 @@ class Coordinator:
     def _cache(self, s: Session, op: p.CacheBlocks):
         st = self._owned(s, op.req)
         self.mgr.cache_blocks(st.request, op.num_computed_tokens)
+        self.mgr.table.set_owner(op.req, s.id)
         return p.Done()
 
     def _free(self, s: Session, op: p.Free):
@@ -350,6 +376,7 @@ class Coordinator:
 
     def _skip(self, s: Session, op: p.RemoveSkippedBlocks):
         self._owned(s, op.req)
+        _check_count("total_computed_tokens", op.total_computed_tokens, MAX_COUNT)
         mgr = self.mgr
         mgr.remove_skipped_blocks(op.req, op.total_computed_tokens)
         mgr.table.set_owner(op.req, s.id)
@@ -361,7 +388,9 @@ class Coordinator:
 
     def _common(self, s: Session, op: p.NumCommonPrefixBlocks):
         self._owned(s, op.req)
-        return p.CommonPrefix(self.mgr.get_num_common_prefix_blocks(op.req))
+        counts = self.mgr.get_num_common_prefix_blocks(op.req)
+        self.mgr.table.set_owner(op.req, s.id)
+        return p.CommonPrefix(counts)
 
     def _reset(self, s: Session, op: p.ResetPrefixCache):
         return p.ResetResult(self.mgr.reset_prefix_cache())
@@ -377,6 +406,19 @@ class Coordinator:
         return p.Stats(self.config.num_blocks, pool.num_free_blocks, pool.num_cached_blocks,
                        pool.get_usage(), len(self.mgr.table), len(self.sessions),
                        q, h, qt, ht, head)
+
+
+def _socket_answers(path: Path) -> bool:
+    """Whether something accepts connections on the Unix socket `path`."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.settimeout(1.0)
+        probe.connect(str(path))
+        return True
+    except OSError:
+        return False
+    finally:
+        probe.close()
 
 
 def _check_count(name: str, value: int, limit: int) -> None:
