@@ -719,7 +719,7 @@ def test_sigterm_mid_load_closes_clients_and_removes_the_segment():
         assert os.path.exists(f"{SHM_DIR}/{name}")
         asyncio.run(run(proc))
         assert proc.proc.wait(10) == 0
-        err = proc.proc.stderr.read()
+        err = proc.stderr
         assert proc.stop() == 0
     assert not os.path.exists(f"{SHM_DIR}/{name}"), "segment left behind"
     assert not sock.exists()

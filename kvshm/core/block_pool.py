@@ -70,6 +70,7 @@ class BlockPool:
         self._hashes = segment.hashes
         self._words = segment.words
         self._dsz = digest_size(cfg.hash_algorithm)
+        self.num_cached_blocks = 0
         # group id -> {hash: block id | {block id: None, ...}}
         self._maps: list[dict] = [{} for _ in cfg.groups]
         # Prefix-cache statistics: lookups, lookups with a hit, tokens asked
@@ -239,6 +240,7 @@ class BlockPool:
         self._flags[block] = FLAG_CACHED
         self._cache_stamp[block] = self._next_cache_stamp
         self._next_cache_stamp += 1
+        self.num_cached_blocks += 1
 
     def block_hash(self, block: int) -> bytes | None:
         """The hash `block` is cached under, or None."""
@@ -260,6 +262,7 @@ class BlockPool:
             if cur:
                 m[key] = cur if len(cur) > 1 else next(iter(cur))
         self._flags[b] = 0
+        self.num_cached_blocks -= 1
 
     def evict_blocks(self, block_ids: Iterable[int]) -> None:
         """Remove each listed block from the prefix cache if it is cached; the
@@ -285,6 +288,7 @@ class BlockPool:
         flags = self._flags
         flags[:] = bytes(len(flags))
         flags[NULL_BLOCK] = FLAG_NULL
+        self.num_cached_blocks = 0
         return True
 
     def rebuild(self) -> None:
@@ -293,6 +297,7 @@ class BlockPool:
         flags, stamp, group = self._flags, self._cache_stamp, self._group
         cached = [b for b in range(self.num_blocks) if flags[b] & FLAG_CACHED]
         cached.sort(key=lambda b: stamp[b])
+        self.num_cached_blocks = len(cached)
         for m in self._maps:
             m.clear()
         for b in cached:
@@ -306,11 +311,6 @@ class BlockPool:
                 m[key] = {cur: None, b: None}
             else:
                 cur[b] = None
-
-    @property
-    def num_cached_blocks(self) -> int:
-        """Blocks currently in the prefix cache (a scan of the flags)."""
-        return bytes(self._flags).count(FLAG_CACHED)
 
     def get_usage(self) -> float:
         total = self.num_blocks - 1

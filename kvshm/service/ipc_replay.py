@@ -9,6 +9,7 @@ in embedded replay.
 from __future__ import annotations
 
 import secrets
+import select
 import subprocess
 import sys
 import tempfile
@@ -147,16 +148,28 @@ class CoordinatorProcess:
         self.socket = d / "pool.sock"
         cfg_path = d / "config.json"
         cfg_path.write_bytes(config.to_json())
+        # stderr goes to a file: a pipe nobody reads would block a coordinator
+        # that logs a lot.
+        self.stderr_path = d / "stderr.log"
+        self._stderr = open(self.stderr_path, "w+")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvshm", "serve", "--config", str(cfg_path),
              "--name", self.name, "--socket", str(self.socket), "--quiet", *extra_args],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            stdout=subprocess.PIPE, stderr=self._stderr, text=True)
+
+    @property
+    def stderr(self) -> str:
+        """What the coordinator wrote to stderr so far."""
+        return self.stderr_path.read_text() if self.stderr_path.exists() else ""
 
     def wait_ready(self, timeout: float = 20.0) -> None:
-        line = self.proc.stdout.readline()  # "ready ..." once listening
+        """Wait for the "ready" line; RuntimeError if it exits or times out."""
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        line = self.proc.stdout.readline() if ready else ""
         if not line.startswith("ready"):
-            err = self.proc.stderr.read() if self.proc.poll() is not None else ""
-            raise RuntimeError(f"coordinator did not start: {line}{err}")
+            self.proc.poll()
+            raise RuntimeError(f"coordinator did not start within {timeout}s: "
+                               f"{line}{self.stderr}")
 
     def stop(self, timeout: float = 10.0) -> int:
         if self.proc.poll() is None:
@@ -167,7 +180,7 @@ class CoordinatorProcess:
                 self.proc.kill()
                 self.proc.wait()
         self.proc.stdout.close()
-        self.proc.stderr.close()
+        self._stderr.close()
         self._dir.cleanup()
         return self.proc.returncode
 

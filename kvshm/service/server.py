@@ -241,6 +241,7 @@ class Coordinator:
             msg = self._decoder.decode(body)
         except msgspec.DecodeError as e:  # ValidationError included: it names the path
             return p.Error(ProtocolError.code, f"bad message: {e}")
+        self.mgr.table.current_owner = s.id
         if s.hello is None:
             if msg.__class__ is not p.Hello:
                 return p.Error(HandshakeRequired.code, "the first message must be Hello")
@@ -341,26 +342,26 @@ class Coordinator:
         st = self._owned(s, op.req)
         blocks, n = self.mgr.get_computed_blocks(st.request)
         st.hits = blocks
-        return p.ComputedBlocks([list(g) for g in blocks], n)
+        return p.ComputedBlocks(blocks, n)
 
     def _alloc(self, s: Session, op: p.AllocateSlots):
         st = self._owned(s, op.req)
-        for name in ("num_new_tokens", "num_new_computed_tokens", "num_lookahead_tokens",
-                     "num_external_computed_tokens", "num_encoder_tokens"):
-            _check_count(name, getattr(op, name), MAX_COUNT)
+        if (op.num_new_tokens | op.num_new_computed_tokens | op.num_lookahead_tokens
+                | op.num_external_computed_tokens | op.num_encoder_tokens) > MAX_COUNT:
+            for name in ("num_new_tokens", "num_new_computed_tokens", "num_lookahead_tokens",
+                         "num_external_computed_tokens", "num_encoder_tokens"):
+                _check_count(name, max(getattr(op, name), 0), MAX_COUNT)
         mgr = self.mgr
         res = mgr.allocate_slots(
             st.request, op.num_new_tokens, op.num_new_computed_tokens,
             st.hits if op.use_computed_blocks else None, op.num_lookahead_tokens,
             op.num_external_computed_tokens, op.delay_cache_blocks, op.num_encoder_tokens)
-        mgr.table.set_owner(op.req, s.id)
-        return p.Allocated(None if res is None else [list(g) for g in res],
-                           mgr.block_pool.num_free_blocks)
+        # res is a tuple of fresh lists: msgspec encodes it as is.
+        return p.Allocated(res, mgr.block_pool.num_free_blocks)
 
     def _cache(self, s: Session, op: p.CacheBlocks):
         st = self._owned(s, op.req)
         self.mgr.cache_blocks(st.request, op.num_computed_tokens)
-        self.mgr.table.set_owner(op.req, s.id)
         return p.Done()
 
     def _free(self, s: Session, op: p.Free):
@@ -379,7 +380,6 @@ class Coordinator:
         _check_count("total_computed_tokens", op.total_computed_tokens, MAX_COUNT)
         mgr = self.mgr
         mgr.remove_skipped_blocks(op.req, op.total_computed_tokens)
-        mgr.table.set_owner(op.req, s.id)
         return p.FreeBlocks(mgr.block_pool.num_free_blocks)
 
     def _ids(self, s: Session, op: p.GetBlockIds):
@@ -389,7 +389,6 @@ class Coordinator:
     def _common(self, s: Session, op: p.NumCommonPrefixBlocks):
         self._owned(s, op.req)
         counts = self.mgr.get_num_common_prefix_blocks(op.req)
-        self.mgr.table.set_owner(op.req, s.id)
         return p.CommonPrefix(counts)
 
     def _reset(self, s: Session, op: p.ResetPrefixCache):
