@@ -258,11 +258,13 @@ class Coordinator:
                 return p.Error(BatchTooLarge.code, f"a batch holds at most "
                                f"{self.max_batch_ops} ops (got {len(ops)})")
             results = []
-            for op in ops:
-                r = self._run(s, op)
-                results.append(r)
-                if r.__class__ is p.Error:
-                    break
+            dispatch = self._dispatch
+            op = None
+            try:
+                for op in ops:
+                    results.append(dispatch[op.__class__](s, op))
+            except Exception as e:  # the batch stops at its first error
+                results.append(self._error_reply(op, e))
             return p.BatchReply(results)
         if cls is p.Hello:
             return p.Error(ProtocolError.code, "Hello was already received")
@@ -287,11 +289,16 @@ class Coordinator:
     def _run(self, s: Session, op) -> msgspec.Struct:
         try:
             return self._dispatch[op.__class__](s, op)
-        except KvshmError as e:
+        except Exception as e:
+            return self._error_reply(op, e)
+
+    @staticmethod
+    def _error_reply(op, e: Exception) -> p.Error:
+        if isinstance(e, KvshmError):
             return p.Error(e.code, str(e))
-        except Exception as e:  # a bug: report it, keep serving the others
-            log.exception("internal error on %r", op)
-            return p.Error(InternalError.code, f"{type(e).__name__}: {e}")
+        # A bug: report it, keep serving the others.
+        log.exception("internal error on %r", op)
+        return p.Error(InternalError.code, f"{type(e).__name__}: {e}")
 
     def _owned(self, s: Session, rid: str) -> _ReqState:
         st = self.requests.get(rid)
@@ -329,7 +336,8 @@ class Coordinator:
         n = op.num_computed_tokens
         # It may run ahead of the tokens (speculative drafts are computed
         # before they are accepted): only its sign and size are checked.
-        _check_count("num_computed_tokens", n, MAX_COUNT)
+        if not 0 <= n <= MAX_COUNT:
+            _check_count("num_computed_tokens", n, MAX_COUNT)
         if op.append_hashes or op.num_appended:
             _check_count("num_appended", req.num_tokens + op.num_appended, MAX_COUNT)
             req.append_block_hashes(op.append_hashes, op.num_appended)
