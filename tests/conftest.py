@@ -1,12 +1,17 @@
-"""Suite-wide guard: no test may leave a kvshm segment behind in /dev/shm."""
+"""Suite-wide fixtures: the /dev/shm leak guard and in-process coordinators."""
 
 from __future__ import annotations
 
 import os
+import secrets
+import shutil
+import tempfile
+from pathlib import Path
 
 import pytest
 
 from kvshm.core.segment import SHM_DIR, segment_info
+from kvshm.service.server import Coordinator
 
 
 def _kvshm_segments() -> set[str]:
@@ -29,3 +34,45 @@ def no_leaked_segments():
     yield
     leaked = sorted(n for n in _kvshm_segments() - before if _ours_or_orphaned(n))
     assert not leaked, f"segments left in {SHM_DIR}: {leaked}"
+
+
+@pytest.fixture
+def sockdir():
+    """A short private directory for sockets (tmp_path can exceed the 108-byte
+    limit of a Unix socket path)."""
+    d = Path(tempfile.mkdtemp(prefix="kvshm-t-"))
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def coordinator_config():
+    """The config `coordinator()` uses when given none (override per module)."""
+    from helpers import make_config
+    return make_config(num_blocks=64, max_num_seqs=32)
+
+
+@pytest.fixture
+async def coordinator(sockdir, coordinator_config):
+    """Factory of started in-process coordinators; each is stopped at
+    teardown, which must remove its segment and socket."""
+    made: list[Coordinator] = []
+
+    async def make(config=None, **kw) -> Coordinator:
+        kw.setdefault("socket_path", sockdir / f"c{len(made)}.sock")
+        coord = Coordinator(config or coordinator_config,
+                            name=f"kvshm-test-{secrets.token_hex(5)}", **kw)
+        made.append(coord)
+        await coord.start()
+        return coord
+
+    yield make
+    errors = []
+    for coord in made:   # stop every one, even if another fails to
+        try:
+            await coord.stop()
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+    assert not errors, errors
+    for coord in made:
+        assert not os.path.exists(f"{SHM_DIR}/{coord.name}")

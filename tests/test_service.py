@@ -13,10 +13,8 @@ import asyncio
 import json
 import os
 import secrets
-import shutil
 import stat
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -38,42 +36,6 @@ TRACES = Path(__file__).parent / "data" / "conformance" / "traces"
 
 
 # -- fixtures ------------------------------------------------------------------------------
-@pytest.fixture
-def sockdir():
-    """A short private directory for sockets (AF_UNIX paths are limited to
-    108 bytes, pytest's tmp_path can be longer)."""
-    d = Path(tempfile.mkdtemp(prefix="kvshm-t-"))
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
-
-
-@pytest.fixture
-async def coordinator(sockdir):
-    """Factory of started in-process coordinators; each is stopped (its
-    segment and socket removed) at teardown."""
-    made: list[Coordinator] = []
-
-    async def make(config=None, **kw) -> Coordinator:
-        config = config or make_config(num_blocks=64, max_num_seqs=32)
-        kw.setdefault("socket_path", sockdir / f"c{len(made)}.sock")
-        coord = Coordinator(config, name=f"kvshm-test-{secrets.token_hex(5)}", **kw)
-        made.append(coord)
-        await coord.start()
-        return coord
-
-    yield make
-    errors = []
-    for coord in made:   # stop every one, even if another fails to
-        try:
-            await coord.stop()
-        except Exception as e:  # noqa: BLE001
-            errors.append(e)
-    assert not errors, errors
-    for coord in made:
-        assert not os.path.exists(f"{SHM_DIR}/{coord.name}")
-        assert not coord.socket_path.exists()
-
-
 async def client(coord: Coordinator, **kw):
     return await connect(coord.socket_path, hash_algorithm=coord.config.hash_algorithm,
                          hash_seed=coord.config.hash_seed, **kw)

@@ -7,11 +7,9 @@ from __future__ import annotations
 import asyncio
 import os
 import secrets
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import msgspec
@@ -43,33 +41,8 @@ def frame(body: bytes) -> bytes:
 
 # -- fixtures and helpers ---------------------------------------------------------------------
 @pytest.fixture
-def sockdir():
-    d = Path(tempfile.mkdtemp(prefix="kvshm-f-"))
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
-
-
-@pytest.fixture
-async def coordinator(sockdir):
-    made: list[Coordinator] = []
-
-    async def make(config=CONFIG, **kw) -> Coordinator:
-        kw.setdefault("socket_path", sockdir / f"c{len(made)}.sock")
-        coord = Coordinator(config, name=f"kvshm-test-{secrets.token_hex(5)}", **kw)
-        made.append(coord)
-        await coord.start()
-        return coord
-
-    yield make
-    errors = []
-    for coord in made:   # stop every one, even if another fails to
-        try:
-            await coord.stop()
-        except Exception as e:  # noqa: BLE001
-            errors.append(e)
-    assert not errors, errors
-    for coord in made:
-        assert not os.path.exists(f"{SHM_DIR}/{coord.name}")
+def coordinator_config():
+    return CONFIG
 
 
 class Raw:
