@@ -1,4 +1,4 @@
-"""The `kvshm` command line: replay, check, ls, rm, demo."""
+"""The `kvshm` command line: replay, check, ls, rm, demo, serve, stats."""
 
 from __future__ import annotations
 
@@ -39,8 +39,9 @@ def cmd_replay(args: argparse.Namespace) -> int:
         try:
             if args.ipc:
                 from kvshm.service.ipc_replay import replay_trace_ipc
-                mismatch, seconds = replay_trace_ipc(
+                mismatch, seconds, report = replay_trace_ipc(
                     cfg, ops, batch=args.batch_size if args.batch else 0)
+                reports.append(report)
                 row["ipc_ops_per_s"] = len(ops) / seconds if seconds else None
             else:
                 mismatch = replay_trace(

@@ -534,9 +534,10 @@ IPC_TRACES = [
 @pytest.mark.parametrize("name", IPC_TRACES)
 def test_replay_ipc(name, batch):
     cfg, ops = load_trace(TRACES / f"{name}.jsonl.gz")
-    mismatch, seconds = replay_trace_ipc(cfg, ops, batch=batch)
+    mismatch, seconds, report = replay_trace_ipc(cfg, ops, batch=batch)
     assert mismatch is None, str(mismatch)
     assert seconds > 0
+    assert report.clean, report.summary()
 
 
 def test_replay_ipc_cli(capsys):
@@ -556,7 +557,7 @@ def test_replay_ipc_all_traces():
     for path in paths:
         cfg, ops = load_trace(path)
         for batch in (0, 64):
-            mismatch, _ = replay_trace_ipc(cfg, ops, batch=batch)
-            if mismatch is not None:
-                failures.append(f"{path.name} batch={batch}: {mismatch}")
+            mismatch, _, report = replay_trace_ipc(cfg, ops, batch=batch)
+            if mismatch is not None or not report.clean:
+                failures.append(f"{path.name} batch={batch}: {mismatch or report.summary()}")
     assert not failures, "\n".join(failures)

@@ -17,6 +17,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvshm.core.check import CheckReport, check_segment
+from kvshm.core.segment import PoolSegment
 from kvshm.replay import FREE_HEAD_LEN, Mismatch, differs, trace_pool_config
 from kvshm.service import protocol as p
 from kvshm.service.client import Client, connect
@@ -196,9 +198,11 @@ class CoordinatorProcess:
         self.stop()
 
 
-def replay_trace_ipc(cfg: dict, ops: list[dict], batch: int = 0) -> tuple[Mismatch | None, float]:
+def replay_trace_ipc(cfg: dict, ops: list[dict],
+                     batch: int = 0) -> tuple[Mismatch | None, float, CheckReport]:
     """Replay one trace through a fresh coordinator process; returns the
-    first mismatch (or None) and the seconds the ops took."""
+    first mismatch (or None), the seconds the ops took, and a check of the
+    coordinator's pool segment (read from this process) after the replay."""
     config = trace_pool_config(cfg, ops)
 
     async def run() -> tuple[Mismatch | None, float]:
@@ -209,4 +213,10 @@ def replay_trace_ipc(cfg: dict, ops: list[dict], batch: int = 0) -> tuple[Mismat
             return m, time.perf_counter() - t0
 
     with CoordinatorProcess(config) as proc:
-        return run_async(run())
+        mismatch, seconds = run_async(run())
+        seg = PoolSegment.attach(proc.name)
+        try:
+            report = check_segment(seg)
+        finally:
+            seg.close()
+        return mismatch, seconds, report
