@@ -12,6 +12,7 @@ import time
 from array import array
 from dataclasses import dataclass, field
 
+from kvshm.core.hashing import HASH_SLOT_BYTES
 from kvshm.core.segment import (
     FLAG_CACHED,
     FLAG_NULL,
@@ -227,7 +228,7 @@ def _check_index(pool, snap: _Snapshot, rep: CheckReport) -> None:
             blocks = [hit] if hit.__class__ is int else list(hit)
             for b in blocks:
                 seen += 1
-                off = b * 32
+                off = b * HASH_SLOT_BYTES
                 if not snap.flags[b] & FLAG_CACHED:
                     rep.add(f"index: hash {key.hex()[:12]} (group {g}) maps to block {b}, "
                             "which is not cached (stale entry)")

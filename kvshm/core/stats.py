@@ -5,7 +5,13 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 
-from kvshm.core.segment import FLAG_CACHED, SEQ_WORD, PoolSegment, segment_info
+from kvshm.core.segment import (
+    FLAG_CACHED,
+    SEQ_WORD,
+    SLOT_META_FIELDS,
+    PoolSegment,
+    segment_info,
+)
 from kvshm.core.table import NO_ENTRY
 
 
@@ -25,9 +31,10 @@ def read_stats(seg: PoolSegment, timeout: float = 1.0) -> dict:
         sessions: dict[int, dict] = defaultdict(lambda: {"requests": 0, "blocks": 0})
         meta, counts = seg.slot_meta, seg.slot_counts
         for slot in range(cfg.max_num_seqs):
-            if not meta[slot * 4 + 2]:
+            base = slot * SLOT_META_FIELDS
+            if not meta[base + 2]:
                 continue
-            row = sessions[meta[slot * 4 + 1]]
+            row = sessions[meta[base + 1]]
             row["requests"] += 1
             for g in range(groups):
                 n = counts[(slot * groups + g) * 2]
