@@ -1,9 +1,27 @@
-"""A synthetic scheduler workload over an embedded `KVCacheManager`.
+"""A synthetic scheduler workload, written once, over pluggable backends.
 
 Requests share a few system prompts (so prefix caching matters), arrive over
 time, are prefilled in chunks under a token budget, decode until their output
 length, and are preempted (freed and recomputed later) when the pool runs
 out, as vLLM's scheduler does.  Used by `kvshm demo` and the benchmarks.
+
+The loop exists once, sans-IO: `Scheduler.run()` (over `make_requests`'
+deterministic request set) yields each backend call as `(method, *args)` and
+is sent the reply; `drive(backend, spec)` runs it against a synchronous
+backend such as `EmbeddedBackend` (an in-process `KVCacheManager`; its
+methods document the interface; scripts/bench_service.py wraps it to record
+protocol structs); `run_workload(mgr, spec)` is `drive` on one, timed.  An
+async backend (a worker talking to the coordinator) needs no second copy of
+the loop, only a second driver that awaits each call::
+
+    async def adrive(backend, spec):
+        loop, reply = Scheduler(spec, backend.max_model_len).run(), None
+        try:
+            while True:
+                name, *args = loop.send(reply)
+                reply = await getattr(backend, name)(*args)
+        except StopIteration as stop:
+            return stop.value
 """
 
 from __future__ import annotations
@@ -11,6 +29,7 @@ from __future__ import annotations
 import random
 import time
 from collections import deque
+from collections.abc import Generator
 from dataclasses import dataclass, field
 
 from kvshm.core.manager import KVCacheManager
@@ -52,91 +71,201 @@ class WorkloadResult:
         return self.manager_calls / self.seconds if self.seconds else 0.0
 
 
-class _Seq:
-    __slots__ = ("req", "target", "scheduled")
+class Seq:
+    """A request as the scheduler sees it: id, prompt, token and computed
+    counts, the length at which it finishes, the tokens scheduled this step,
+    and whether the backend has been told about it (`add`)."""
 
-    def __init__(self, req: Request, target: int) -> None:
-        self.req = req
-        self.target = target
-        self.scheduled = 0
+    __slots__ = ("rid", "prompt", "num_tokens", "num_computed", "target", "scheduled", "added")
+
+    def __init__(self, rid: str, prompt: list[int], target: int) -> None:
+        self.rid, self.prompt, self.num_tokens, self.target = rid, prompt, len(prompt), target
+        self.num_computed = self.scheduled = 0
+        self.added = False
 
 
-def run_workload(mgr: KVCacheManager, spec: WorkloadSpec = WorkloadSpec()) -> WorkloadResult:
-    """Drive `mgr` through `spec`; every request is freed at the end."""
-    rng = random.Random(spec.seed)
-    hasher = mgr.make_hasher()
-    max_len = mgr.max_model_len
+def make_requests(spec: WorkloadSpec, max_len: int, rng: random.Random) -> list[Seq]:
+    """The spec's requests, in arrival order (ids "0", "1", ...): a shared
+    system prompt plus a user part, cut to fit `max_len`; drawn from `rng`."""
     systems = [[rng.randrange(spec.vocab) for _ in range(rng.randint(*spec.system_len))]
                for _ in range(spec.num_system_prompts)]
-    pending: deque[_Seq] = deque()
+    seqs = []
     for i in range(spec.num_requests):
         prompt = list(rng.choice(systems)) + [
             rng.randrange(spec.vocab) for _ in range(rng.randint(*spec.user_len))]
         prompt = prompt[:max_len - 1]
         target = min(len(prompt) + rng.randint(*spec.output_len), max_len)
-        pending.append(_Seq(Request(f"req-{i}", prompt, hasher), target))
-    waiting: deque[_Seq] = deque()
-    running: list[_Seq] = []
-    res = WorkloadResult()
-    t0 = time.perf_counter()
-    while pending or waiting or running:
-        res.steps += 1
-        for _ in range(spec.arrivals_per_step):
-            if pending:
-                waiting.append(pending.popleft())
-        budget = spec.token_budget
-        # Running requests first (decode or the rest of a chunked prefill).
-        i = 0
-        while i < len(running) and budget > 0:
-            seq = running[i]
-            req = seq.req
-            n = min(budget, req.num_tokens - req.num_computed_tokens)
-            res.manager_calls += 1
-            while mgr.allocate_slots(req, n) is None:
-                victim = running.pop()      # preempt the newest request
-                res.manager_calls += 1
-                mgr.free(victim.req)
-                victim.req.num_computed_tokens = 0
-                res.preemptions += 1
-                waiting.appendleft(victim)
-                if victim is seq:
+        seqs.append(Seq(str(i), prompt, target))
+    return seqs
+
+
+class Scheduler:
+    """One run of the scheduler over a spec: its requests (`make_requests`)
+    and the rng, which goes on to draw the sampled tokens; `run()` is the loop."""
+
+    def __init__(self, spec: WorkloadSpec, max_len: int) -> None:
+        self.spec = spec
+        self.rng = random.Random(spec.seed)
+        self.requests = make_requests(spec, max_len, self.rng)
+
+    def run(self) -> Generator[tuple, object, WorkloadResult]:
+        """The loop: yields backend calls `(name, *args)`, is sent each reply,
+        returns a `WorkloadResult` (steps, finished, preemptions, prompt and
+        hit tokens) when all requests are done.  Each step: arrivals; running
+        requests (preempting the newest while an `allocate` fails: `free`,
+        `advance` to 0); admissions (`add` the first time, `lookup`,
+        `allocate` with the hits); `scheduled`; "run the model": scheduled
+        tokens are computed, a request with all computed finishes (`free`) or
+        samples a token; each other scheduled one is `advance`d; `end_step`."""
+        spec, rng = self.spec, self.rng
+        pending = deque(self.requests)
+        waiting: deque[Seq] = deque()
+        running: list[Seq] = []
+        res = WorkloadResult()
+        while pending or waiting or running:
+            res.steps += 1
+            for _ in range(spec.arrivals_per_step):
+                if pending:
+                    waiting.append(pending.popleft())
+            budget = spec.token_budget
+            # Running requests first (decode or the rest of a chunked prefill).
+            i = 0
+            while i < len(running) and budget > 0:
+                seq = running[i]
+                n = min(budget, seq.num_tokens - seq.num_computed)
+                while (yield ("allocate", seq, n)) is None:
+                    victim = running.pop()      # preempt the newest request
+                    yield ("free", victim, True)
+                    victim.num_computed = 0
+                    yield ("advance", victim, 0, ())
+                    res.preemptions += 1
+                    waiting.appendleft(victim)
+                    if victim is seq:
+                        break
+                else:
+                    seq.scheduled = n
+                    budget -= n
+                    i += 1
+            # Then admit waiting requests while the budget and the pool allow.
+            while waiting and budget > 0 and len(running) < spec.max_running:
+                seq = waiting[0]
+                if not seq.added:
+                    yield ("add", seq)
+                    seq.added = True
+                hits, num_hit = yield ("lookup", seq)
+                n = min(budget, seq.num_tokens - num_hit)
+                if (yield ("allocate", seq, n, num_hit, hits)) is None:
                     break
-            else:
+                waiting.popleft()
+                res.prompt_tokens += seq.num_tokens
+                res.hit_tokens += num_hit
+                seq.num_computed = num_hit
                 seq.scheduled = n
+                running.append(seq)
                 budget -= n
-                i += 1
-        # Then admit waiting requests while the budget and the pool allow.
-        while waiting and budget > 0 and len(running) < spec.max_running:
-            seq = waiting[0]
-            req = seq.req
-            hits, num_hit = mgr.get_computed_blocks(req)
-            n = min(budget, req.num_tokens - num_hit)
-            res.manager_calls += 2
-            if mgr.allocate_slots(req, n, num_hit, hits) is None:
-                break
-            waiting.popleft()
-            res.prompt_tokens += req.num_tokens
-            res.hit_tokens += num_hit
-            req.num_computed_tokens += num_hit
-            seq.scheduled = n
-            running.append(seq)
-            budget -= n
-        res.peak_usage = max(res.peak_usage, mgr.usage)
-        # "Run the model": scheduled tokens are computed; a request whose
-        # tokens are all computed samples one more (or finishes).
-        still = []
-        for seq in running:
-            req = seq.req
-            req.num_computed_tokens += seq.scheduled
-            seq.scheduled = 0
-            if req.num_computed_tokens >= req.num_tokens:
-                if req.num_tokens >= seq.target:
-                    res.manager_calls += 1
-                    mgr.free(req)
-                    res.finished += 1
+            yield ("scheduled",)
+            # "Run the model": scheduled tokens are computed; a request whose
+            # tokens are all computed samples one more (or finishes).
+            still = []
+            for seq in running:
+                if not seq.scheduled:
+                    still.append(seq)
                     continue
-                req.append_token_ids([rng.randrange(spec.vocab)])
-            still.append(seq)
-        running = still
+                done = seq.num_computed = seq.num_computed + seq.scheduled
+                seq.scheduled = 0
+                if done >= seq.num_tokens:
+                    if seq.num_tokens >= seq.target:
+                        yield ("free", seq, False)
+                        res.finished += 1
+                        continue
+                    seq.num_tokens += 1
+                    yield ("advance", seq, done, [rng.randrange(spec.vocab)])
+                else:
+                    yield ("advance", seq, done, ())
+                still.append(seq)
+            running = still
+            yield ("end_step",)
+        return res
+
+
+BACKEND_METHODS = ("add", "lookup", "allocate", "free", "advance", "scheduled", "end_step")
+
+
+def drive(backend, spec: WorkloadSpec | Scheduler = WorkloadSpec()) -> WorkloadResult:
+    """Run the scheduler loop (of `spec`, or a prepared `Scheduler`) against
+    a synchronous backend (the methods of `EmbeddedBackend`, `max_model_len`)."""
+    sched = spec if isinstance(spec, Scheduler) else Scheduler(spec, backend.max_model_len)
+    methods = {name: getattr(backend, name) for name in BACKEND_METHODS}
+    send, reply = sched.run().send, None
+    try:
+        while True:
+            call = send(reply)
+            reply = methods[call[0]](*call[1:])
+    except StopIteration as stop:
+        return stop.value
+
+
+class EmbeddedBackend:
+    """The scheduler's calls on an in-process `KVCacheManager`, one `Request`
+    per `Seq`; counts the manager calls and the peak pool usage."""
+
+    def __init__(self, mgr: KVCacheManager) -> None:
+        self.mgr = mgr
+        self.max_model_len = mgr.max_model_len
+        self.hasher = mgr.make_hasher()
+        self.reqs: dict[str, Request] = {}
+        self.built: dict[str, Request] = {}
+        self.calls = 0
+        self.peak_usage = 0.0
+
+    def prebuild(self, seqs: list[Seq]) -> None:
+        """Build (hash) the requests ahead of `add`, e.g. outside a timing."""
+        self.built.update((s.rid, Request(s.rid, s.prompt, self.hasher)) for s in seqs)
+
+    def add(self, seq: Seq) -> None:
+        """A new request (its prompt), before its first lookup."""
+        req = self.built.pop(seq.rid, None)
+        self.reqs[seq.rid] = req or Request(seq.rid, seq.prompt, self.hasher)
+
+    def lookup(self, seq: Seq):
+        """Prefix-cache hits of a waiting request: (blocks, num hit tokens)."""
+        self.calls += 1
+        return self.mgr.get_computed_blocks(self.reqs[seq.rid])
+
+    def allocate(self, seq: Seq, n: int, num_hit: int = 0, hits=None):
+        """Slots for `n` new tokens (after `num_hit` cached ones, `hits` from
+        `lookup`, on admission): the new block ids, or None if out of blocks."""
+        self.calls += 1
+        return self.mgr.allocate_slots(self.reqs[seq.rid], n, num_hit, hits)
+
+    def free(self, seq: Seq, preempted: bool) -> None:
+        """Free the request's blocks; a preempted request is kept (and re-admitted)."""
+        self.calls += 1
+        self.mgr.free(self.reqs[seq.rid] if preempted else self.reqs.pop(seq.rid))
+
+    def advance(self, seq: Seq, num_computed_tokens: int, appended) -> None:
+        """Bookkeeping: set the computed-token count, append sampled tokens."""
+        req = self.reqs[seq.rid]
+        req.num_computed_tokens = num_computed_tokens
+        if appended:
+            req.append_token_ids(appended)
+
+    def scheduled(self) -> None:
+        """This step's scheduling is done; the model runs next."""
+        self.peak_usage = max(self.peak_usage, self.mgr.usage)
+
+    def end_step(self) -> None:
+        """The step is over."""
+
+
+def run_workload(mgr: KVCacheManager, spec: WorkloadSpec = WorkloadSpec()) -> WorkloadResult:
+    """Drive `mgr` through `spec`; every request is freed at the end."""
+    backend = EmbeddedBackend(mgr)
+    sched = Scheduler(spec, mgr.max_model_len)
+    backend.prebuild(sched.requests)     # request set-up is not timed
+    t0 = time.perf_counter()
+    res = drive(backend, sched)
     res.seconds = time.perf_counter() - t0
+    res.manager_calls = backend.calls
+    res.peak_usage = backend.peak_usage
     return res

@@ -57,7 +57,6 @@ import json
 import multiprocessing as mp
 import os
 import pstats
-import random
 import shlex
 import signal
 import socket
@@ -84,7 +83,7 @@ from kvshm.core.segment import SHM_DIR, remove_segment  # noqa: E402
 from kvshm.core.specs import FullSpec, PoolConfig  # noqa: E402
 from kvshm.service import protocol as p  # noqa: E402
 from kvshm.service.ipc_replay import CoordinatorProcess  # noqa: E402
-from kvshm.workload import WorkloadSpec  # noqa: E402
+from kvshm.workload import EmbeddedBackend, WorkloadSpec, drive  # noqa: E402
 
 P50_TARGET_US = 50.0
 RATIO_TARGET = 0.5
@@ -95,18 +94,6 @@ PRESETS_OK = ("llama-8b", "gemma-hybrid", "jamba-hybrid")
 # =============================================================================
 # Workload recording
 # =============================================================================
-class _Seq:
-    __slots__ = ("rid", "prompt", "req", "target", "scheduled", "added")
-
-    def __init__(self, rid: str, prompt: list[int], req: Request, target: int) -> None:
-        self.rid = rid
-        self.prompt = prompt
-        self.req = req
-        self.target = target
-        self.scheduled = 0
-        self.added = False
-
-
 @dataclass
 class Recording:
     steps: list[list]             # protocol structs, one list per scheduler step
@@ -120,118 +107,66 @@ class Recording:
     counts: dict = field(default_factory=dict)
 
 
+class RecordingBackend(EmbeddedBackend):
+    """kvshm.workload's embedded backend that also records every call (and
+    the request upkeep a coordinator needs: add, advance) as protocol
+    structs, one list per scheduler step, with the recording's counters."""
+
+    def __init__(self, mgr: KVCacheManager) -> None:
+        super().__init__(mgr)
+        self.rec = Recording([], [])
+        self.ops: list = []
+
+    def add(self, seq) -> None:
+        self.ops.append(p.AddRequest(seq.rid, seq.prompt))
+        super().add(seq)
+
+    def lookup(self, seq):
+        self.ops.append(p.GetComputedBlocks(seq.rid))
+        blocks, num_hit = super().lookup(seq)
+        self.rec.hits.append(num_hit)
+        return blocks, num_hit
+
+    def allocate(self, seq, n, num_hit=0, hits=None):
+        self.ops.append(p.AllocateSlots(seq.rid, n) if hits is None
+                        else p.AllocateSlots(seq.rid, n, num_hit, True))
+        res = super().allocate(seq, n, num_hit, hits)
+        if res is None:
+            self.rec.failed_allocs += 1
+        else:
+            self.rec.new_blocks += sum(len(g) for g in res)
+        return res
+
+    def free(self, seq, preempted) -> None:
+        self.ops.append(p.Free(seq.rid, True) if preempted else p.Free(seq.rid))
+        super().free(seq, preempted)
+
+    def advance(self, seq, num_computed_tokens, appended) -> None:
+        self.ops.append(p.Advance(seq.rid, num_computed_tokens, list(appended)) if appended
+                        else p.Advance(seq.rid, num_computed_tokens))
+        super().advance(seq, num_computed_tokens, appended)
+
+    def end_step(self) -> None:
+        self.rec.steps.append(self.ops)
+        self.rec.num_ops += len(self.ops)
+        self.ops = []
+
+
 def record_workload(config: PoolConfig, spec: WorkloadSpec) -> Recording:
-    """Run kvshm.workload's scheduler loop on an embedded manager, recording
-    every manager call (and the request upkeep a coordinator needs: add,
-    advance) as protocol structs."""
-    rng = random.Random(spec.seed)
-    rec = Recording([], [])
-    mgr = KVCacheManager(config)
-    try:
-        hasher = mgr.make_hasher()
-        max_len = mgr.max_model_len
-        systems = [[rng.randrange(spec.vocab) for _ in range(rng.randint(*spec.system_len))]
-                   for _ in range(spec.num_system_prompts)]
-        pending: collections.deque[_Seq] = collections.deque()
-        for i in range(spec.num_requests):
-            prompt = list(rng.choice(systems)) + [
-                rng.randrange(spec.vocab) for _ in range(rng.randint(*spec.user_len))]
-            prompt = prompt[:max_len - 1]
-            target = min(len(prompt) + rng.randint(*spec.output_len), max_len)
-            rid = str(i)
-            pending.append(_Seq(rid, prompt, Request(rid, prompt, hasher), target))
-        waiting: collections.deque[_Seq] = collections.deque()
-        running: list[_Seq] = []
-
-        def took(res) -> None:
-            rec.new_blocks += sum(len(g) for g in res)
-
-        while pending or waiting or running:
-            ops: list = []
-            for _ in range(spec.arrivals_per_step):
-                if pending:
-                    waiting.append(pending.popleft())
-            budget = spec.token_budget
-            i = 0
-            while i < len(running) and budget > 0:
-                seq = running[i]
-                req = seq.req
-                n = min(budget, req.num_tokens - req.num_computed_tokens)
-                while True:
-                    ops.append(p.AllocateSlots(seq.rid, n))
-                    res = mgr.allocate_slots(req, n)
-                    if res is not None:
-                        took(res)
-                        seq.scheduled = n
-                        budget -= n
-                        i += 1
-                        break
-                    rec.failed_allocs += 1
-                    victim = running.pop()  # preempt the newest request
-                    ops.append(p.Free(victim.rid, True))
-                    mgr.free(victim.req)
-                    victim.req.num_computed_tokens = 0
-                    ops.append(p.Advance(victim.rid, 0))
-                    victim.scheduled = 0
-                    rec.preemptions += 1
-                    waiting.appendleft(victim)
-                    if victim is seq:
-                        break
-            while waiting and budget > 0 and len(running) < spec.max_running:
-                seq = waiting[0]
-                req = seq.req
-                if not seq.added:
-                    ops.append(p.AddRequest(seq.rid, seq.prompt))
-                    seq.added = True
-                ops.append(p.GetComputedBlocks(seq.rid))
-                blocks, num_hit = mgr.get_computed_blocks(req)
-                rec.hits.append(num_hit)
-                n = min(budget, req.num_tokens - num_hit)
-                ops.append(p.AllocateSlots(seq.rid, n, num_hit, True))
-                res = mgr.allocate_slots(req, n, num_hit, blocks)
-                if res is None:
-                    rec.failed_allocs += 1
-                    break
-                took(res)
-                waiting.popleft()
-                rec.prompt_tokens += req.num_tokens
-                rec.hit_tokens += num_hit
-                req.num_computed_tokens += num_hit
-                seq.scheduled = n
-                running.append(seq)
-                budget -= n
-            # "Run the model", then the scheduler's bookkeeping.
-            still = []
-            for seq in running:
-                req = seq.req
-                if not seq.scheduled:
-                    still.append(seq)
-                    continue
-                done = req.num_computed_tokens + seq.scheduled
-                seq.scheduled = 0
-                req.num_computed_tokens = done
-                if done >= req.num_tokens:
-                    if req.num_tokens >= seq.target:
-                        ops.append(p.Free(seq.rid))
-                        mgr.free(req)
-                        continue
-                    tok = rng.randrange(spec.vocab)
-                    req.append_token_ids([tok])
-                    ops.append(p.Advance(seq.rid, done, [tok]))
-                else:
-                    ops.append(p.Advance(seq.rid, done))
-                still.append(seq)
-            running = still
-            rec.steps.append(ops)
-            rec.num_ops += len(ops)
-        counts: collections.Counter = collections.Counter()
-        for step in rec.steps:
-            for op in step:
-                counts[type(op).__name__] += 1
-        rec.counts = dict(counts)
-        return rec
-    finally:
-        mgr.close()
+    """Run kvshm.workload's scheduler loop on an embedded manager through a
+    RecordingBackend."""
+    with KVCacheManager(config) as mgr:
+        backend = RecordingBackend(mgr)
+        res = drive(backend, spec)
+    rec = backend.rec
+    rec.preemptions, rec.prompt_tokens, rec.hit_tokens = (
+        res.preemptions, res.prompt_tokens, res.hit_tokens)
+    counts: collections.Counter = collections.Counter()
+    for step in rec.steps:
+        for op in step:
+            counts[type(op).__name__] += 1
+    rec.counts = dict(counts)
+    return rec
 
 
 def build_frames(steps: list[list], hits: list[int], batch: int, prefix: str = ""):
