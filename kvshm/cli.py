@@ -84,11 +84,8 @@ def cmd_check(args: argparse.Namespace) -> int:
     from kvshm.core.check import check_segment
     from kvshm.core.segment import PoolSegment
 
-    seg = PoolSegment.attach(args.name)
-    try:
+    with PoolSegment.attach(args.name) as seg:
         report = check_segment(seg)
-    finally:
-        seg.close()
     if args.json:
         print(json.dumps({"name": args.name, "clean": report.clean,
                           "num_blocks": report.num_blocks,
@@ -213,11 +210,8 @@ def cmd_stats(args: argparse.Namespace) -> int:
     from kvshm.core.segment import PoolSegment
     from kvshm.core.stats import read_stats
 
-    seg = PoolSegment.attach(args.name)
-    try:
+    with PoolSegment.attach(args.name) as seg:
         st = read_stats(seg)
-    finally:
-        seg.close()
     if args.json:
         print(json.dumps(st, indent=2))
         return 0

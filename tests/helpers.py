@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from kvshm import FullSpec, KVCacheManager, PoolConfig, Request
 from kvshm.core.check import check_segment
 
@@ -32,3 +34,12 @@ def lookup(m: KVCacheManager, r: Request):
 def assert_clean(m: KVCacheManager) -> None:
     report = check_segment(m.segment, m.block_pool)
     assert report.clean, report.problems
+
+
+async def until(cond, timeout: float = 2.0) -> None:
+    """Let the event loop run until cond() holds (fail after `timeout` s)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not cond():
+        assert loop.time() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.005)

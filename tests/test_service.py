@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import ids, make_config, tokens
+from helpers import ids, make_config, tokens, until
 from kvshm import FullSpec, KVCacheManager, Request, SlidingWindowSpec
 from kvshm.core.check import check_segment
 from kvshm.core.errors import DuplicateRequest, InvalidArgument, UnknownRequest
@@ -40,14 +40,6 @@ async def client(coord: Coordinator, **kw):
     return await connect(coord.socket_path, hash_algorithm=coord.config.hash_algorithm,
                          hash_seed=coord.config.hash_seed, **kw)
 
-
-async def until(cond, timeout: float = 2.0) -> None:
-    """Let the event loop run until cond() holds."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not cond():
-        assert loop.time() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.005)
 
 
 def assert_pool_clean(coord: Coordinator) -> None:

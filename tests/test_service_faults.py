@@ -15,7 +15,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from helpers import make_config, tokens
+from helpers import make_config, tokens, until
 from kvshm import FullSpec, SlidingWindowSpec
 from kvshm.core.check import check_segment
 from kvshm.core.errors import KvshmError
@@ -105,13 +105,6 @@ class Raw:
         except OSError:
             pass
 
-
-async def until(cond, timeout: float = 2.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not cond():
-        assert loop.time() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.005)
 
 
 def snapshot(coord: Coordinator) -> dict:
