@@ -167,9 +167,6 @@ class BlockPool:
         return out
 
     # -- allocation --------------------------------------------------------
-    def get_num_free_blocks(self) -> int:
-        return self.num_free_blocks
-
     def get_new_blocks(self, num_blocks: int) -> list[int]:
         """Pop `num_blocks` blocks from the head of the free queue, evicting
         their cached hashes, with ref count 1.  Raises NoFreeBlocks."""
