@@ -167,19 +167,22 @@ def _preset_names() -> list[str]:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from kvshm.core.specs import PoolConfig
-    from kvshm.service.presets import parse_size, preset_config
+    from kvshm.service.presets import blocks_for_memory, parse_size, preset_config
     from kvshm.service.server import default_socket_path, run_async, serve
 
     if args.preset:
         config = preset_config(args.preset, num_blocks=args.num_blocks,
                                kv_memory=parse_size(args.kv_memory) if args.kv_memory else None)
     else:
-        if args.kv_memory:
-            print("kvshm serve: --kv-memory needs --preset (a config file has no "
-                  "per-block byte size); use --num-blocks", file=sys.stderr)
-            return 2
         overrides = {"num_blocks": args.num_blocks} if args.num_blocks else {}
         config = PoolConfig.from_file(args.config, **overrides)
+        if args.kv_memory:
+            if config.kv is None:
+                print("kvshm serve: --kv-memory needs a KV shape ([kv] in the config, or "
+                      "--preset); use --num-blocks", file=sys.stderr)
+                return 2
+            config = config.replace(num_blocks=blocks_for_memory(
+                config.kv_block_bytes, parse_size(args.kv_memory))).validate()
     token = None
     if args.token_file:
         try:
@@ -197,6 +200,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
                   f"{'on' if config.enable_caching else 'off'}; segment /dev/shm/{seg.name} "
                   f"({seg.layout.size:,} bytes); hash {config.hash_algorithm} "
                   f"fingerprint {coord.fingerprint}", flush=True)
+            if coord.arena is not None:
+                kv = config.kv
+                print(f"kvshm coordinator: KV arena /dev/shm/{coord.arena.name} "
+                      f"({coord.arena.layout.size:,} bytes: {kv.num_layers} layers x "
+                      f"{kv.num_kv_heads} KV heads x {kv.head_size}, {kv.dtype}, "
+                      f"{config.kv_block_bytes:,} bytes a block)", flush=True)
         print(f"ready {args.name} {sock}", flush=True)
 
     run_async(serve(config, name=args.name, socket_path=sock, token=token,
@@ -251,7 +260,8 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--preset", help="a model-shaped preset: " + ", ".join(_preset_names()))
     size = p.add_mutually_exclusive_group()
     size.add_argument("--num-blocks", type=int, help="pool size in blocks")
-    size.add_argument("--kv-memory", help="KV memory budget (e.g. 4G) -> blocks (presets)")
+    size.add_argument("--kv-memory",
+                      help="KV memory budget (e.g. 4G) -> blocks (needs a KV shape)")
     p.add_argument("--name", default="kvshm", help="pool name: segment and socket names")
     p.add_argument("--socket", help="socket path (default: per-user runtime dir)")
     p.add_argument("--token-file", help="clients must present this file's content")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -31,7 +32,7 @@ def test_kv_memory_becomes_blocks():
 def test_unknown_preset_and_a_budget_below_two_blocks():
     with pytest.raises(ConfigError, match="unknown preset"):
         preset_config("gpt-17")
-    with pytest.raises(ConfigError, match="num_blocks"):
+    with pytest.raises(ConfigError, match="kv_memory: .* hold 1 block"):
         preset_config("llama-8b", kv_memory=3 * 2**20)
 
 
@@ -58,7 +59,7 @@ def test_serve_argument_errors(tmp_path):
     cfg.write_text('{"num_blocks": 64, "hash_block_size": 16, "max_model_len": 256,'
                    ' "groups": [{"type": "full", "block_size": 16}]}')
     res = _serve("--config", str(cfg), "--kv-memory", "1G")
-    assert res.returncode == 2 and "--kv-memory needs --preset" in res.stderr
+    assert res.returncode == 2 and "--kv-memory needs a KV shape" in res.stderr
     res = _serve("--config", str(cfg), "--token-file", str(tmp_path / "missing"))
     assert res.returncode == 2 and "cannot read" in res.stderr
     res = _serve("--preset", "nope")
@@ -82,12 +83,16 @@ def test_serve_a_preset_and_stop_it_with_sigint(sockdir):
     try:
         banner = proc.stdout.readline()
         assert "2 group(s)" in banner and "caching on" in banner, banner + proc.stderr.read()
+        arena = proc.stdout.readline()
+        assert "KV arena /dev/shm/kvshm-test-preset.kv" in arena and "bfloat16" in arena
         assert proc.stdout.readline().startswith("ready kvshm-test-preset")
+        assert os.path.exists("/dev/shm/kvshm-test-preset.kv")
         proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=20)
         assert proc.returncode == 0, err
         assert "segment removed" in out
         assert not sock.exists()
+        assert not os.path.exists("/dev/shm/kvshm-test-preset.kv")
     finally:
         if proc.poll() is None:
             proc.kill()

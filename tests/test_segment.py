@@ -142,7 +142,7 @@ def test_rm_refuses_a_live_owner_and_foreign_segments():
     with KVCacheManager(CFG, name="kvshm-test-live"):
         with pytest.raises(SegmentError, match="live process"):
             remove_segment("kvshm-test-live")
-    with pytest.raises(SegmentError, match="not a kvshm pool"):
+    with pytest.raises(SegmentError, match="not a kvshm segment"):
         remove_segment("kvshm-test-nothing-here")
 
 

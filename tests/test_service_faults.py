@@ -255,7 +255,7 @@ CASES = {
                            False),
     # A refused handshake closes the connection: no second guess on it.
     "wrong-version": (False, [], f(p.Hello(p.PROTOCOL_VERSION + 1, 1, FP)), "VERSION_MISMATCH",
-                      "version 2", True),
+                      f"version {p.PROTOCOL_VERSION + 1} is not", True),
     "wrong-hash": (False, [], f(p.Hello(p.PROTOCOL_VERSION, 1, hash_fingerprint("sha256", "x"))),
                    "HASH_MISMATCH", FP, True),
     "bad-hello-types": (False, [], m("hello", "one", 1, FP), "BAD_MESSAGE", "$[1]", False),

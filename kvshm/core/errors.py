@@ -109,10 +109,10 @@ class ShmSpaceError(KvshmError):
 
     def __init__(self, needed: int, available: int, path: str) -> None:
         super().__init__(
-            f"a pool segment needs {needed:,} bytes but {path} has only "
+            f"the pool's shared memory needs {needed:,} bytes but {path} has only "
             f"{available:,} free; enlarge it (for example "
             f"`mount -o remount,size=8G {path}`, or `docker run --shm-size=8g`) "
-            "or lower num_blocks / max_num_seqs"
+            "or lower num_blocks / --kv-memory / max_num_seqs"
         )
         self.needed = needed
         self.available = available

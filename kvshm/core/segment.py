@@ -52,6 +52,10 @@ from kvshm.core.hashing import HASH_SLOT_BYTES
 from kvshm.core.specs import PoolConfig
 
 MAGIC = b"KVSHMPL\0"
+# The KV data arena (kvshm/arena.py) shares the pool header's first fields
+# (magic, layout version, header size, config fingerprint, num_blocks,
+# creator pid at the same offsets), so `segment_info` reads both kinds.
+ARENA_MAGIC = b"KVSHMKV\0"
 LAYOUT_VERSION = 1
 RID_BYTES = 64
 SLOT_META_FIELDS = 4  # rid_len, owner session, in_use, reserved
@@ -406,18 +410,19 @@ def check_shm_space(needed: int, path: str = SHM_DIR) -> None:
 
 
 def segment_info(name: str) -> dict | None:
-    """Summary of segment `name` if it is a kvshm pool, else None."""
+    """Summary of segment `name` if it is a kvshm pool or KV arena, else None."""
     try:
         shm = _Shm.open(name)
     except (OSError, ValueError):  # not ours to open, or empty (being created)
         return None
     try:
         buf = shm.buf
-        if len(buf) < _HEADER_FIXED or bytes(buf[:8]) != MAGIC:
+        if len(buf) < _HEADER_FIXED or bytes(buf[:8]) not in (MAGIC, ARENA_MAGIC):
             return None
         pid = struct.unpack_from("Q", buf, _HEADER["coordinator_pid"][0])[0]
         return {
             "name": name,
+            "kind": "pool" if bytes(buf[:8]) == MAGIC else "arena",
             "bytes": len(buf),
             "num_blocks": struct.unpack_from("Q", buf, _HEADER["num_blocks"][0])[0],
             "layout_version": struct.unpack_from("I", buf, _HEADER["layout_version"][0])[0],
@@ -434,7 +439,8 @@ def _pid_alive(pid: int) -> bool:
 
 
 def list_segments() -> list[dict]:
-    """Every kvshm pool segment in /dev/shm, with its owner and liveness."""
+    """Every kvshm segment (pools and KV arenas) in /dev/shm, with its owner
+    and liveness."""
     try:
         names = sorted(os.listdir(SHM_DIR))
     except OSError:
@@ -447,7 +453,7 @@ def remove_segment(name: str, force: bool = False) -> None:
     `force`.  Raises SegmentError."""
     info = segment_info(name)
     if info is None:
-        raise SegmentError(f"{name!r} is not a kvshm pool segment")
+        raise SegmentError(f"{name!r} is not a kvshm segment")
     if info["alive"] and not force:
         raise SegmentError(
             f"{name!r} belongs to live process {info['pid']}; stop it first "

@@ -86,6 +86,25 @@ FULL_ATTENTION_TYPES = (FullSpec, MLASpec, SinkFullSpec)
 
 HASH_ALGORITHMS = ("sha256", "xxh3_128")
 
+# Element types the KV arena can hold, and their sizes in bytes.
+KV_DTYPES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+class KVShape(msgspec.Struct, frozen=True, kw_only=True):
+    """What one block holds in the KV data arena: K and V of `block_size`
+    tokens for `num_layers` layers (every group has that many layers, as in
+    vLLM's grouping of hybrid models), `num_kv_heads` heads of `head_size`
+    elements of `dtype`."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_size: int
+    dtype: str = "float16"
+
+    @property
+    def itemsize(self) -> int:
+        return KV_DTYPES[self.dtype]
+
 
 class PoolConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Everything that defines a pool; two processes agree on a pool iff their
@@ -94,7 +113,8 @@ class PoolConfig(msgspec.Struct, frozen=True, kw_only=True):
     num_blocks counts the null block (id 0).  max_num_seqs is the number of
     request slots in the shared-memory request table; max_encoder_len bounds
     the cross-attention allocation of one request (defaults to
-    max_model_len).
+    max_model_len).  `kv`, when set, shapes the KV data arena that the
+    coordinator creates beside the pool segment (kvshm/arena.py).
     """
 
     num_blocks: int
@@ -108,6 +128,7 @@ class PoolConfig(msgspec.Struct, frozen=True, kw_only=True):
     max_encoder_len: int | None = None
     hash_algorithm: str = "sha256"
     hash_seed: str = "kvshm-0"
+    kv: KVShape | None = None   # set: the coordinator also creates a KV data arena
 
     # -- derived values ------------------------------------------------------
     def effective_block_size(self, group: int) -> int:
@@ -126,6 +147,21 @@ class PoolConfig(msgspec.Struct, frozen=True, kw_only=True):
     @property
     def encoder_len(self) -> int:
         return self.max_model_len if self.max_encoder_len is None else self.max_encoder_len
+
+    @property
+    def kv_block_size(self) -> int:
+        """Tokens one arena block holds: the largest group block size (block
+        ids are shared by all groups)."""
+        return max(self.effective_block_size(g) for g in range(len(self.groups)))
+
+    @property
+    def kv_block_bytes(self) -> int:
+        """Bytes of K/V data per block id (0 without a `kv` shape)."""
+        kv = self.kv
+        if kv is None:
+            return 0
+        per_token = kv.num_kv_heads * kv.head_size * kv.itemsize
+        return 2 * kv.num_layers * self.kv_block_size * per_token
 
     def row_capacity(self, group: int) -> int:
         """Most blocks one request can hold in `group`."""
@@ -174,6 +210,13 @@ class PoolConfig(msgspec.Struct, frozen=True, kw_only=True):
         for i, g in enumerate(self.groups):
             self._validate_group(i, g)
         self._validate_combination()
+        if self.kv is not None:
+            _positive("kv.num_layers", self.kv.num_layers)
+            _positive("kv.num_kv_heads", self.kv.num_kv_heads)
+            _positive("kv.head_size", self.kv.head_size)
+            if self.kv.dtype not in KV_DTYPES:
+                raise ConfigError("kv.dtype", f"must be one of {', '.join(KV_DTYPES)} "
+                                  f"(got {self.kv.dtype!r})")
         if self.num_sink_blocks >= self.num_blocks - 1:
             raise ConfigError(
                 "num_blocks",

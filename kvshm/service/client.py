@@ -93,6 +93,7 @@ class Client:
         self.config = PoolConfig.from_json(welcome.config)
         self.pool_segment = welcome.pool_segment
         self.hash_fingerprint = welcome.hash_fingerprint
+        self.arena_segment = welcome.arena_segment
         self.tenant = tenant
         self._closed = False
 
@@ -121,6 +122,15 @@ class Client:
         if not cfg.enable_caching:
             return None
         return BlockHasher(cfg.hash_algorithm, cfg.hash_seed, cfg.hash_block_size)
+
+    def attach_arena(self):
+        """Map the pool's KV data arena (a `kvshm.arena.KVArena`; close it
+        when done).  Raises SegmentError if the pool has none."""
+        from kvshm.arena import KVArena
+        from kvshm.core.errors import SegmentError
+        if not self.arena_segment:
+            raise SegmentError("this pool has no KV arena (its config has no kv shape)")
+        return KVArena.attach(self.arena_segment, self.config)
 
     # -- raw calls ------------------------------------------------------------------------
     async def call(self, msg: msgspec.Struct, timeout: float | None = None):
@@ -197,6 +207,14 @@ class Client:
             num_lookahead_tokens, num_external_computed_tokens, delay_cache_blocks,
             num_encoder_tokens), timeout)
         return r.new_block_ids
+
+    async def admit(self, req: str, max_new_tokens: int, *, num_lookahead_tokens: int = 0,
+                    delay_cache_blocks: bool = False,
+                    timeout: float | None = None) -> p.Admitted:
+        """Lookup + allocation of a waiting request in one atomic step (see
+        `protocol.Admit`); `.new_block_ids` is None if the pool is short."""
+        return await self.call(p.Admit(req, max_new_tokens, num_lookahead_tokens,
+                                       delay_cache_blocks), timeout)
 
     async def cache_blocks(self, req: str, num_computed_tokens: int,
                            timeout: float | None = None) -> None:

@@ -13,7 +13,7 @@ from typing import Union
 
 import msgspec
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2   # 2: Welcome.arena_segment, Admit
 MAX_FRAME_BYTES = 8 * 2**20
 MAX_BATCH_OPS = 4096
 _LEN = 4
@@ -39,6 +39,7 @@ class Welcome(_Op, tag="welcome"):
     config: bytes          # the pool config as canonical JSON
     pool_segment: str
     hash_fingerprint: str
+    arena_segment: str = ""   # the KV data arena ("" when the config has no kv shape)
 
 
 # -- operations (they mirror KVCacheManager) ----------------------------------------
@@ -81,6 +82,18 @@ class AllocateSlots(_Op, tag="alloc"):
     num_encoder_tokens: int = 0
 
 
+class Admit(_Op, tag="admit"):
+    """Admit a waiting request in one step, as a scheduler does: look up its
+    prefix-cache hits, then allocate slots for min(max_new_tokens, the
+    tokens not hit) new tokens on top of them.  Atomic, so no other worker
+    can evict a hit between the lookup and the allocation."""
+
+    req: str
+    max_new_tokens: int
+    num_lookahead_tokens: int = 0
+    delay_cache_blocks: bool = False
+
+
 class CacheBlocks(_Op, tag="cache"):
     req: str
     num_computed_tokens: int
@@ -116,7 +129,7 @@ class GetStats(_Op, tag="stats"):
     free_head: int = 0   # also return this many free-queue ids (eviction order)
 
 
-Op = Union[AddRequest, Advance, GetComputedBlocks, AllocateSlots, CacheBlocks, Free,
+Op = Union[AddRequest, Advance, GetComputedBlocks, AllocateSlots, Admit, CacheBlocks, Free,
            RemoveSkippedBlocks, GetBlockIds, NumCommonPrefixBlocks, ResetPrefixCache,
            EvictBlocks, GetStats]
 
@@ -129,7 +142,7 @@ class Batch(_Op, tag="batch"):
 
 
 Message = Union[Hello, Batch, AddRequest, Advance, GetComputedBlocks, AllocateSlots,
-                CacheBlocks, Free, RemoveSkippedBlocks, GetBlockIds,
+                Admit, CacheBlocks, Free, RemoveSkippedBlocks, GetBlockIds,
                 NumCommonPrefixBlocks, ResetPrefixCache, EvictBlocks, GetStats]
 
 
@@ -145,6 +158,18 @@ class ComputedBlocks(_Op, tag="hits"):
 
 class Allocated(_Op, tag="alloc"):
     new_block_ids: list[list[int]] | None   # None: not enough free blocks
+    num_free_blocks: int
+
+
+class Admitted(_Op, tag="admit"):
+    """Admit's result: the hits (per group, null blocks included) and the
+    hit token count; the new tokens scheduled and their new block ids, or
+    None if the pool is short of blocks (the request stays unallocated)."""
+
+    hit_block_ids: list[list[int]]
+    num_computed_tokens: int
+    num_new_tokens: int
+    new_block_ids: list[list[int]] | None
     num_free_blocks: int
 
 
@@ -183,7 +208,7 @@ class Error(_Op, tag="error"):
     message: str
 
 
-Reply = Union[Done, ComputedBlocks, Allocated, FreeBlocks, BlockIds, CommonPrefix,
+Reply = Union[Done, ComputedBlocks, Allocated, Admitted, FreeBlocks, BlockIds, CommonPrefix,
               ResetResult, Stats, Error]
 
 
@@ -194,8 +219,8 @@ class BatchReply(_Op, tag="batch"):
     results: list[Reply]
 
 
-ServerMessage = Union[Welcome, BatchReply, Done, ComputedBlocks, Allocated, FreeBlocks,
-                      BlockIds, CommonPrefix, ResetResult, Stats, Error]
+ServerMessage = Union[Welcome, BatchReply, Done, ComputedBlocks, Allocated, Admitted,
+                      FreeBlocks, BlockIds, CommonPrefix, ResetResult, Stats, Error]
 
 
 # -- framing --------------------------------------------------------------------------

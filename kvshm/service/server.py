@@ -155,9 +155,22 @@ class Coordinator:
         self.max_frame_bytes = max_frame_bytes
         self.max_batch_ops = max_batch_ops
         self.write_buffer_high = write_buffer_high
+        self.arena = None
+        if config.kv is not None:
+            from kvshm.arena import arena_bytes
+            from kvshm.core.segment import Layout, check_shm_space
+            # Both segments must fit: refuse before creating either.
+            check_shm_space(Layout(config.validate()).size + arena_bytes(config))
         self.mgr = KVCacheManager(config, name=name)
         self.config = self.mgr.config
         self.name = name
+        if config.kv is not None:
+            from kvshm.arena import KVArena, arena_name
+            try:
+                self.arena = KVArena.create(self.config, arena_name(name), check_space=False)
+            except BaseException:
+                self.mgr.close()
+                raise
         self.base_hasher = self.mgr.make_hasher()
         self.fingerprint = hash_fingerprint(self.config.hash_algorithm, self.config.hash_seed)
         self.sessions: dict[int, Session] = {}
@@ -170,7 +183,7 @@ class Coordinator:
         self._hashers: dict[str, object] = {}
         self._dispatch: dict[type, Callable] = {
             p.AddRequest: self._add, p.Advance: self._advance,
-            p.GetComputedBlocks: self._hits, p.AllocateSlots: self._alloc,
+            p.GetComputedBlocks: self._hits, p.AllocateSlots: self._alloc, p.Admit: self._admit,
             p.CacheBlocks: self._cache, p.Free: self._free,
             p.RemoveSkippedBlocks: self._skip, p.GetBlockIds: self._ids,
             p.NumCommonPrefixBlocks: self._common, p.ResetPrefixCache: self._reset,
@@ -215,6 +228,10 @@ class Coordinator:
             except FileNotFoundError:
                 pass
         self.mgr.close()
+        if self.arena is not None:
+            self.arena.close()
+            self.arena.unlink()
+            self.arena = None
 
     # -- sessions ----------------------------------------------------------------------------
     def _end_session(self, s: Session) -> None:
@@ -284,7 +301,7 @@ class Coordinator:
         s.hello = hello
         s.hasher = self._hasher_for(hello.tenant)
         return p.Welcome(p.PROTOCOL_VERSION, s.id, self._config_json, self.mgr.segment.name,
-                         self.fingerprint)
+                         self.fingerprint, self.arena.name if self.arena is not None else "")
 
     def _run(self, s: Session, op) -> msgspec.Struct:
         try:
@@ -366,6 +383,24 @@ class Coordinator:
             op.num_external_computed_tokens, op.delay_cache_blocks, op.num_encoder_tokens)
         # res is a tuple of fresh lists: msgspec encodes it as is.
         return p.Allocated(res, mgr.block_pool.num_free_blocks)
+
+    def _admit(self, s: Session, op: p.Admit):
+        st = self._owned(s, op.req)
+        if not 1 <= op.max_new_tokens <= MAX_COUNT:
+            raise InvalidArgument(f"max_new_tokens must be in [1, {MAX_COUNT}] "
+                                  f"(got {op.max_new_tokens})")
+        _check_count("num_lookahead_tokens", op.num_lookahead_tokens, MAX_COUNT)
+        mgr = self.mgr
+        req = st.request
+        if req.num_computed_tokens:
+            raise InvalidArgument(f"request {op.req!r} already has "
+                                  f"{req.num_computed_tokens} computed tokens; Admit is "
+                                  "for a waiting request (free it with preempted=true first)")
+        hits, num_hit = mgr.get_computed_blocks(req)
+        n = min(op.max_new_tokens, req.num_tokens - num_hit)
+        new = mgr.allocate_slots(req, n, num_hit, hits, op.num_lookahead_tokens, 0,
+                                 op.delay_cache_blocks)
+        return p.Admitted(hits, num_hit, n, new, mgr.block_pool.num_free_blocks)
 
     def _cache(self, s: Session, op: p.CacheBlocks):
         st = self._owned(s, op.req)
