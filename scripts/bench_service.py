@@ -82,7 +82,7 @@ from kvshm.core.request import Request  # noqa: E402
 from kvshm.core.segment import SHM_DIR, remove_segment  # noqa: E402
 from kvshm.core.specs import FullSpec, PoolConfig  # noqa: E402
 from kvshm.service import protocol as p  # noqa: E402
-from kvshm.service.ipc_replay import CoordinatorProcess  # noqa: E402
+from kvshm.service.process import CoordinatorProcess  # noqa: E402
 from kvshm.workload import EmbeddedBackend, WorkloadSpec, drive  # noqa: E402
 
 P50_TARGET_US = 50.0

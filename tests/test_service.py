@@ -29,7 +29,8 @@ from kvshm.replay import expand_paths, load_trace
 from kvshm.service import protocol as p
 from kvshm.service.client import connect
 from kvshm.service.errors import ConnectionLost, Forbidden, HashMismatch, NotOwner
-from kvshm.service.ipc_replay import CoordinatorProcess, replay_trace_ipc
+from kvshm.service.ipc_replay import replay_trace_ipc
+from kvshm.service.process import CoordinatorProcess
 from kvshm.service.server import Coordinator, default_socket_path
 
 TRACES = Path(__file__).parent / "data" / "conformance" / "traces"

@@ -24,7 +24,7 @@ from kvshm.core.segment import SHM_DIR, remove_segment, segment_info
 from kvshm.service import protocol as p
 from kvshm.service.client import connect
 from kvshm.service.errors import ConnectionLost, RequestTimeout
-from kvshm.service.ipc_replay import CoordinatorProcess
+from kvshm.service.process import CoordinatorProcess
 from kvshm.service.server import Coordinator
 
 CONFIG = make_config(groups=(FullSpec(4), SlidingWindowSpec(4, 8)), num_blocks=64,

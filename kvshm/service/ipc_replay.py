@@ -8,13 +8,7 @@ in embedded replay.
 
 from __future__ import annotations
 
-import secrets
-import select
-import subprocess
-import sys
-import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
 from kvshm.core.check import CheckReport, check_segment
@@ -22,6 +16,7 @@ from kvshm.core.segment import PoolSegment
 from kvshm.replay import FREE_HEAD_LEN, Mismatch, differs, trace_pool_config
 from kvshm.service import protocol as p
 from kvshm.service.client import Client, connect
+from kvshm.service.process import CoordinatorProcess
 from kvshm.service.server import run_async
 
 # Frees after which the scheduler reschedules the request (it keeps its state).
@@ -137,65 +132,6 @@ async def replay_through(client: Client, ops: list[dict[str, Any]],
             return Mismatch(start + len(reply.results) + 2, op["op"], op.get("req", ""),
                             op.get("expect"), "not run (an earlier op of its batch failed)")
     return None
-
-
-class CoordinatorProcess:
-    """A `kvshm serve` child process on a private socket; a context manager
-    that stops it (SIGTERM) and waits for it."""
-
-    def __init__(self, config, *, name: str | None = None, extra_args: tuple = ()) -> None:
-        self._dir = tempfile.TemporaryDirectory(prefix="kvshm-")
-        d = Path(self._dir.name)
-        self.name = name or f"kvshm-{secrets.token_hex(5)}"
-        self.socket = d / "pool.sock"
-        cfg_path = d / "config.json"
-        cfg_path.write_bytes(config.to_json())
-        # stderr goes to a file: a pipe nobody reads would block a coordinator
-        # that logs a lot.
-        self.stderr_path = d / "stderr.log"
-        self._stderr = open(self.stderr_path, "w+")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvshm", "serve", "--config", str(cfg_path),
-             "--name", self.name, "--socket", str(self.socket), "--quiet", *extra_args],
-            stdout=subprocess.PIPE, stderr=self._stderr, text=True)
-
-    @property
-    def stderr(self) -> str:
-        """What the coordinator wrote to stderr so far."""
-        return self.stderr_path.read_text() if self.stderr_path.exists() else ""
-
-    def wait_ready(self, timeout: float = 20.0) -> None:
-        """Wait for the "ready" line; RuntimeError if it exits or times out."""
-        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
-        line = self.proc.stdout.readline() if ready else ""
-        if not line.startswith("ready"):
-            self.proc.poll()
-            raise RuntimeError(f"coordinator did not start within {timeout}s: "
-                               f"{line}{self.stderr}")
-
-    def stop(self, timeout: float = 10.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.proc.stdout.close()
-        self._stderr.close()
-        self._dir.cleanup()
-        return self.proc.returncode
-
-    def __enter__(self) -> "CoordinatorProcess":
-        try:
-            self.wait_ready()
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
 
 
 def replay_trace_ipc(cfg: dict, ops: list[dict],

@@ -1,0 +1,74 @@
+"""A coordinator in a child process (`kvshm serve`), for the tools that need
+one: IPC replay, the launcher of `kvshm run`, benchmarks and tests."""
+
+from __future__ import annotations
+
+import secrets
+import select
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+
+class CoordinatorProcess:
+    """A `kvshm serve` child process on a private socket; a context manager
+    that stops it (SIGTERM) and waits for it.  `new_session` keeps it out of
+    the terminal's process group, so Ctrl-C reaches only the parent, which
+    decides the order of shutdown."""
+
+    def __init__(self, config, *, name: str | None = None, extra_args: tuple = (),
+                 new_session: bool = False) -> None:
+        self._dir = tempfile.TemporaryDirectory(prefix="kvshm-")
+        d = Path(self._dir.name)
+        self.name = name or f"kvshm-{secrets.token_hex(5)}"
+        self.socket = d / "pool.sock"
+        cfg_path = d / "config.json"
+        cfg_path.write_bytes(config.to_json())
+        # stderr goes to a file: a pipe nobody reads would block a coordinator
+        # that logs a lot.
+        self.stderr_path = d / "stderr.log"
+        self._stderr = open(self.stderr_path, "w+")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kvshm", "serve", "--config", str(cfg_path),
+             "--name", self.name, "--socket", str(self.socket), "--quiet", *extra_args],
+            stdout=subprocess.PIPE, stderr=self._stderr, text=True,
+            start_new_session=new_session)
+
+    @property
+    def stderr(self) -> str:
+        """What the coordinator wrote to stderr so far."""
+        return self.stderr_path.read_text() if self.stderr_path.exists() else ""
+
+    def wait_ready(self, timeout: float = 20.0) -> None:
+        """Wait for the "ready" line; RuntimeError if it exits or times out."""
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        line = self.proc.stdout.readline() if ready else ""
+        if not line.startswith("ready"):
+            self.proc.poll()
+            raise RuntimeError(f"coordinator did not start within {timeout}s: "
+                               f"{line}{self.stderr}")
+
+    def stop(self, timeout: float = 10.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc.stdout.close()
+        self._stderr.close()
+        self._dir.cleanup()
+        return self.proc.returncode
+
+    def __enter__(self) -> "CoordinatorProcess":
+        try:
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
