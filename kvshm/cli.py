@@ -1,4 +1,4 @@
-"""The `kvshm` command line: replay, check, ls, rm, demo, serve, stats."""
+"""The `kvshm` command line: run, replay, check, ls, rm, demo, serve, stats."""
 
 from __future__ import annotations
 
@@ -160,6 +160,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0 if report.clean else 1
 
 
+def cmd_run(args: argparse.Namespace) -> int:
+    from workers.run import run
+    return run(args)
+
+
 def _preset_names() -> list[str]:
     from kvshm.service.presets import PRESETS
     return list(PRESETS)
@@ -241,6 +246,12 @@ def cmd_stats(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="kvshm", description="Host-wide KV-cache block manager")
     sub = ap.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("run", help="the main job: a coordinator and N pinned CPU workers "
+                       "sharing one KV pool on a workload, with a summary")
+    from workers.run import add_arguments
+    add_arguments(p)
+    p.set_defaults(fn=cmd_run)
 
     p = sub.add_parser("replay", help="replay conformance traces in embedded mode")
     p.add_argument("paths", nargs="+", help=".jsonl/.jsonl.gz files or directories")

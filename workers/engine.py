@@ -1,0 +1,422 @@
+"""The CPU worker's engine: a scheduler loop against the coordinator plus real
+numpy compute on the shared KV arena, checking every prefix-cache hit.
+
+Each step is one `Client.batch`, in this order: the bookkeeping of the last
+step (`Advance`, delayed `CacheBlocks`, `Free` of finished requests), then
+`AllocateSlots` for running requests (decode, or the next prefill chunk) in
+FCFS order, then `AddRequest` + `Admit` for waiting ones while the token
+budget, `max_running` and the pool's free blocks allow.  A running request
+whose allocation fails preempts the newest running ones (freed, requeued,
+recomputed later), as vLLM's scheduler does, in a follow-up batch.
+
+Blocks are cached only after their K/V are in the arena (allocations use
+`delay_cache_blocks`, and the next step's batch caches what was computed),
+so another worker can never hit a block whose bytes are not written yet.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvshm.core.specs import FullSpec, MLASpec, PoolConfig, SlidingWindowSpec
+from kvshm.service import protocol as p
+from workers.model import TinyModel, attention, mismatching_blocks, paged_attention, write_kv
+from workers.traffic import Item
+
+SUPPORTED_SPECS = (FullSpec, MLASpec, SlidingWindowSpec)
+
+
+class UnsupportedModel(ValueError):
+    """The pool's groups include an attention type the CPU worker cannot model."""
+
+
+def check_supported(config: PoolConfig) -> None:
+    """Raise UnsupportedModel unless the CPU worker can serve `config`'s pool."""
+    for g, spec in enumerate(config.groups):
+        if not isinstance(spec, SUPPORTED_SPECS):
+            raise UnsupportedModel(
+                f"the CPU worker models full, MLA and sliding-window attention; "
+                f"group {g} is {type(spec).__name__}")
+    if not config.enable_caching:
+        raise UnsupportedModel("the CPU worker needs a pool with prefix caching on")
+    if config.kv is None:
+        raise UnsupportedModel("the pool has no kv shape, so no KV arena to compute into")
+
+
+@dataclass
+class EngineOptions:
+    token_budget: int = 512          # tokens scheduled per step
+    max_running: int = 32
+    verify_hits: float = 1.0          # fraction of hit blocks whose K/V are checked
+    check_decode: float = 0.05        # fraction of decode steps checked against a recompute
+    seed: int = 0                     # model weights (all workers of a pool must agree)
+    sample_seed: int = 0              # which blocks / steps get sampled
+
+
+@dataclass
+class EngineStats:
+    finished: int = 0
+    aborted: int = 0
+    prompt_tokens: int = 0            # prompt tokens of admitted requests (first admission)
+    hit_tokens: int = 0               # of those, served from the prefix cache
+    cross_hit_tokens: int = 0         # of those, in blocks another worker wrote
+    computed_tokens: int = 0          # tokens whose K/V this worker computed
+    generated_tokens: int = 0
+    preemptions: int = 0
+    steps: int = 0
+    hit_blocks_checked: int = 0
+    hit_mismatches: int = 0           # hit blocks whose K/V differed (must stay 0)
+    decode_checks: int = 0
+    decode_mismatches: int = 0        # paged attention != contiguous recompute
+    batch_us: list[int] = field(default_factory=list)   # each step's batch round trip
+    first_error: str = ""
+
+    @property
+    def integrity_failures(self) -> int:
+        return self.hit_mismatches + self.decode_mismatches
+
+
+class Seq:
+    """A request as the engine sees it."""
+
+    __slots__ = ("rid", "item", "tokens", "prompt_len", "generated", "num_computed",
+                 "tables", "ctx", "scheduled", "added", "admitted_once", "to_advance",
+                 "append")
+
+    def __init__(self, item: Item) -> None:
+        self.rid = item.rid
+        self.item = item
+        self.tokens = list(item.prompt)
+        self.prompt_len = len(item.prompt)
+        self.generated = 0
+        self.num_computed = 0
+        self.tables: list[list[int]] = []
+        self.ctx = None
+        self.scheduled = 0
+        self.added = False
+        self.admitted_once = False
+        self.to_advance = False
+        self.append: list[int] = []
+
+
+class Engine:
+    """One worker's scheduler and model over a connected client and its
+    mapped arena.  `await run(items, deadline)` until the items are done or
+    the deadline passes (then running requests are finished, waiting ones
+    dropped)."""
+
+    def __init__(self, client, arena, config: PoolConfig, opts: EngineOptions,
+                 stats: EngineStats | None = None) -> None:
+        check_supported(config)
+        self.client = client
+        self.arena = arena
+        self.config = config
+        self.opts = opts
+        self.stats = stats or EngineStats()
+        self.tag = client.session_id          # written into arena.writer for our blocks
+        kv = config.kv
+        self.num_layers = kv.num_layers
+        self.groups = [(g, spec.block_size, getattr(spec, "sliding_window", None))
+                       for g, spec in enumerate(config.groups)]
+        # One model layer stack per group (each group is its own set of layers).
+        self.model = TinyModel(num_layers=kv.num_layers * len(config.groups),
+                               num_kv_heads=kv.num_kv_heads, head_size=kv.head_size,
+                               dtype=arena.dtype, seed=opts.seed,
+                               max_positions=config.max_model_len + 1)
+        # Per group: the arena seen with the group's block size on the slot axis.
+        self.views = [arena.kv[:, :, :, :bs] for _, bs, _ in self.groups]
+        self.rng = random.Random(opts.sample_seed)
+        self.waiting: deque[Seq] = deque()
+        self.running: list[Seq] = []
+        self.finishing: list[Seq] = []       # freed in the next batch (after caching)
+        self.num_free_blocks = config.num_blocks - 1
+
+    # -- the loop ------------------------------------------------------------------------------
+    async def run(self, items, deadline: float, on_step=None,
+                  hard_deadline: float | None = None) -> EngineStats:
+        """Serve `items` (an iterator of `Item`) until exhausted or `deadline`
+        (time.monotonic()): then admit nothing new and let running requests
+        finish, until `hard_deadline`, where the rest are aborted (freed).
+        `on_step(stats)` after every step."""
+        source = iter(items)
+        exhausted = False
+        while True:
+            if hard_deadline is not None and time.monotonic() >= hard_deadline:
+                await self._abort_all()
+                break
+            open_for_new = not exhausted and time.monotonic() < deadline
+            # Keep enough arrivals queued to fill a step.
+            while open_for_new and len(self.waiting) < self.opts.max_running:
+                item = next(source, None)
+                if item is None:
+                    exhausted = True
+                    break
+                self.waiting.append(Seq(item))
+            if not open_for_new and self.waiting:
+                self.stats.aborted += sum(1 for s in self.waiting if s.added)
+                # Waiting requests that were never admitted are dropped; any that
+                # were preempted still own a coordinator entry: forget it.
+                await self._forget([s for s in self.waiting if s.added])
+                self.waiting.clear()
+            if not self.running and not self.waiting and not self.finishing:
+                break
+            await self.step()
+            if on_step is not None:
+                on_step(self.stats)
+        await self._flush()
+        return self.stats
+
+    async def step(self) -> None:
+        st = self.stats
+        st.steps += 1
+        ops = self._bookkeeping()
+        budget = self.opts.token_budget
+        allocs: list[tuple[Seq, int]] = []      # (request, index of its op)
+        for seq in self.running:
+            if budget <= 0:
+                seq.scheduled = 0
+                continue
+            n = min(budget, len(seq.tokens) - seq.num_computed)
+            seq.scheduled = n
+            budget -= n
+            allocs.append((seq, len(ops)))
+            ops.append(p.AllocateSlots(seq.rid, n, delay_cache_blocks=True))
+        admits = self._admissions(ops, budget, [s for s, _ in allocs])
+        t0 = time.perf_counter()
+        results = await self.client.batch(ops)
+        st.batch_us.append(int((time.perf_counter() - t0) * 1e6))
+        failed = []
+        for seq, i in allocs:
+            res = results[i]
+            self.num_free_blocks = res.num_free_blocks
+            if res.new_block_ids is None:
+                failed.append(seq)
+            else:
+                self._extend(seq, res.new_block_ids)
+        for seq, i in admits:
+            self.num_free_blocks = results[i].num_free_blocks
+            self._admitted(seq, results[i])
+        if failed:
+            await self._preempt(failed)
+        self._compute()
+
+    # -- building a batch ------------------------------------------------------------------------
+    def _bookkeeping(self) -> list:
+        ops: list = []
+        for seq in self.running:
+            if seq.to_advance:
+                ops.append(p.Advance(seq.rid, seq.num_computed, seq.append))
+                ops.append(p.CacheBlocks(seq.rid, seq.num_computed))
+                seq.to_advance, seq.append = False, []
+        for seq in self.finishing:
+            ops.append(p.Advance(seq.rid, seq.num_computed, seq.append))
+            ops.append(p.CacheBlocks(seq.rid, seq.num_computed))
+            ops.append(p.Free(seq.rid))
+        self.finishing.clear()
+        return ops
+
+    def _admissions(self, ops: list, budget: int, allocs: list[Seq]) -> list[tuple[Seq, int]]:
+        """Append Add + Admit ops for waiting requests, FCFS, while the budget,
+        max_running and (an estimate of) the free blocks allow; returns the
+        requests with the index of their Admit op."""
+        admits: list[tuple[Seq, int]] = []
+        free = self.num_free_blocks - sum(self._blocks_needed(s, s.scheduled) for s in allocs)
+        while (self.waiting and budget > 0
+               and len(self.running) + len(admits) < self.opts.max_running):
+            seq = self.waiting[0]
+            n = min(budget, len(seq.tokens))
+            need = self._blocks_needed(seq, n)
+            if need > free and (admits or self.running):
+                break   # would likely fail: let running requests free blocks first
+            self.waiting.popleft()
+            if not seq.added:   # (a preempted request is still known to the coordinator)
+                ops.append(p.AddRequest(seq.rid, list(seq.tokens)))
+                seq.added = True
+            admits.append((seq, len(ops)))
+            ops.append(p.Admit(seq.rid, n, delay_cache_blocks=True))
+            budget -= n
+            free -= need
+        return admits
+
+    def _blocks_needed(self, seq: Seq, n: int) -> int:
+        total = 0
+        for g, bs, _ in self.groups:
+            have = len(seq.tables[g]) if seq.tables else 0
+            total += max(0, -(-(seq.num_computed + n) // bs) - have)
+        return total
+
+    # -- results -----------------------------------------------------------------------------------
+    def _extend(self, seq: Seq, new_ids) -> None:
+        for table, ids in zip(seq.tables, new_ids):
+            table.extend(ids)
+
+    def _admitted(self, seq: Seq, res: p.Admitted) -> None:
+        if res.new_block_ids is None:
+            self.waiting.appendleft(seq)   # FCFS: first in line next step
+            return
+        st = self.stats
+        seq.tables = [list(h) + list(n) for h, n in zip(res.hit_block_ids, res.new_block_ids)]
+        seq.num_computed = res.num_computed_tokens
+        seq.scheduled = res.num_new_tokens
+        if not seq.admitted_once:
+            seq.admitted_once = True
+            st.prompt_tokens += seq.prompt_len
+            st.hit_tokens += min(res.num_computed_tokens, seq.prompt_len)
+        if res.num_computed_tokens:
+            self._check_hits(seq, res.num_computed_tokens)
+        else:
+            seq.ctx = self.model.context([])
+        self.running.append(seq)
+
+    async def _preempt(self, failed: list[Seq]) -> None:
+        """Preempt the newest running requests until every request in
+        `failed` got its slots (or was itself preempted)."""
+        st = self.stats
+        pending = list(failed)
+        while pending:
+            victim = self.running.pop()
+            ops = [p.Free(victim.rid, preempted=True), p.Advance(victim.rid, 0, victim.append)]
+            victim.append = []
+            victim.to_advance = False
+            victim.num_computed = victim.scheduled = 0
+            victim.tables = []
+            victim.ctx = None
+            st.preemptions += 1
+            self.waiting.appendleft(victim)
+            pending = [s for s in pending if s is not victim]
+            retry = list(pending)
+            ops += [p.AllocateSlots(s.rid, s.scheduled, delay_cache_blocks=True) for s in retry]
+            results = await self.client.batch(ops)
+            pending = []
+            for seq, res in zip(retry, results[2:]):
+                self.num_free_blocks = res.num_free_blocks
+                if res.new_block_ids is None:
+                    pending.append(seq)
+                else:
+                    self._extend(seq, res.new_block_ids)
+
+    async def _abort_all(self) -> None:
+        """Stop now: cache what is computed, free every request."""
+        ops = self._bookkeeping()
+        live = self.running + [s for s in self.waiting if s.added]
+        ops += [p.Free(s.rid) for s in live]
+        self.stats.aborted += len(live)
+        self.running, self.waiting = [], deque()
+        if ops:
+            await self.client.batch(ops)
+
+    async def _forget(self, seqs: list[Seq]) -> None:
+        if seqs:
+            await self.client.batch([p.Free(s.rid) for s in seqs])
+
+    async def _flush(self) -> None:
+        """Send the last step's bookkeeping (caching and frees)."""
+        ops = self._bookkeeping()
+        if ops:
+            await self.client.batch(ops)
+
+    # -- the model -------------------------------------------------------------------------------
+    def _compute(self) -> None:
+        """Run the model on this step's scheduled tokens: K/V into the arena,
+        paged attention for decode tokens, then sample (teacher-forced)."""
+        st = self.stats
+        model = self.model
+        still = []
+        for seq in self.running:
+            n = seq.scheduled
+            if not n:
+                still.append(seq)
+                continue
+            start = seq.num_computed
+            toks = seq.tokens[start:start + n]
+            k, v, ctx_after = model.kv(toks, start, seq.ctx)
+            self._write(seq, start, k, v)
+            decode = start >= seq.prompt_len
+            if decode:
+                self._decode_attention(seq, start, toks[-1])
+            seq.ctx = ctx_after
+            seq.num_computed = start + n
+            seq.scheduled = 0
+            st.computed_tokens += n
+            if seq.num_computed == len(seq.tokens):
+                output = seq.item.output
+                if seq.generated < len(output):
+                    seq.tokens.append(output[seq.generated])
+                    seq.append.append(output[seq.generated])
+                    seq.generated += 1
+                    st.generated_tokens += 1
+                if seq.generated >= len(output):
+                    self.finishing.append(seq)
+                    st.finished += 1
+                    continue
+            seq.to_advance = True
+            still.append(seq)
+        self.running = still
+
+    def _write(self, seq: Seq, start: int, k: np.ndarray, v: np.ndarray) -> None:
+        L = self.num_layers
+        writer = self.arena.writer
+        n = k.shape[1]
+        for (g, bs, _), view in zip(self.groups, self.views):
+            table = seq.tables[g]
+            write_kv(view, table, bs, start, k[g * L:(g + 1) * L], v[g * L:(g + 1) * L])
+            writer[table[start // bs:-(-(start + n) // bs)]] = self.tag
+
+    def _decode_attention(self, seq: Seq, pos: int, token: int) -> None:
+        """Attention of the decode token over the request's blocks; sampled
+        steps are checked against attention over a contiguous recompute."""
+        L = self.num_layers
+        q = self.model.query(token, pos, seq.ctx)
+        check = self.rng.random() < self.opts.check_decode
+        if check:
+            k_ref, v_ref, _ = self.model.kv(seq.tokens[:pos + 1], 0, self.model.context([]))
+        for (g, bs, window), view in zip(self.groups, self.views):
+            out = paged_attention(q[g * L:(g + 1) * L], view, seq.tables[g], bs, pos + 1,
+                                  window=window)
+            if check:
+                self.stats.decode_checks += 1
+                ref = attention(q[g * L:(g + 1) * L], k_ref[g * L:(g + 1) * L].astype(np.float32),
+                                v_ref[g * L:(g + 1) * L].astype(np.float32), window=window)
+                if not np.allclose(out, ref, rtol=1e-4, atol=1e-5):
+                    self.stats.decode_mismatches += 1
+                    self._error(f"{seq.rid}: paged attention at position {pos} (group {g}) "
+                                f"differs from the contiguous recompute by "
+                                f"{float(np.abs(out - ref).max()):.3g}")
+
+    def _check_hits(self, seq: Seq, num_hit: int) -> None:
+        """Recompute the hit tokens' K/V and compare them bitwise with the hit
+        blocks (all, or a sample); count blocks another worker wrote."""
+        st = self.stats
+        L = self.num_layers
+        k, v, ctx = self.model.kv(seq.tokens[:num_hit], 0, self.model.context([]))
+        seq.ctx = ctx
+        writer = self.arena.writer
+        frac = self.opts.verify_hits
+        for (g, bs, window), view in zip(self.groups, self.views):
+            table = seq.tables[g]
+            nblocks = num_hit // bs
+            idx = [i for i in range(nblocks) if table[i] != 0]   # nulls: outside a window
+            if g == 0:
+                st.cross_hit_tokens += bs * sum(1 for i in idx if writer[table[i]] != self.tag)
+            if frac < 1.0:
+                idx = [i for i in idx if self.rng.random() < frac]
+            if not idx:
+                continue
+            st.hit_blocks_checked += len(idx)
+            kg, vg = k[g * L:(g + 1) * L], v[g * L:(g + 1) * L]
+            bad = [i for i in idx if mismatching_blocks(
+                view, [table[i]], bs, kg[:, i * bs:(i + 1) * bs], vg[:, i * bs:(i + 1) * bs])]
+            if bad:
+                st.hit_mismatches += len(bad)
+                self._error(f"{seq.rid}: {len(bad)} prefix-cache hit block(s) hold the "
+                            f"wrong K/V (group {g}, block ids "
+                            f"{[table[i] for i in bad][:8]})")
+
+    def _error(self, message: str) -> None:
+        if not self.stats.first_error:
+            self.stats.first_error = message

@@ -1,0 +1,355 @@
+"""`kvshm run` / `python -m workers`: start a coordinator (or join one), launch
+N pinned CPU workers on a shared workload, show live progress, print a summary.
+
+One run is a `Launch`: coordinator(s) as `kvshm serve` children, workers as
+`python -m workers.worker` children (each in its own session, so Ctrl-C
+reaches only this process, which stops the workers, then the coordinators),
+their JSON lines merged into progress and a final `RunResult`.  `--isolated`
+gives each worker a private pool of total/N blocks, as N separate engines
+have today; `--compare` runs both and prints them side by side.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+
+from kvshm.core.specs import PoolConfig
+from workers.topology import (
+    Node,
+    Plan,
+    allowed_cpus,
+    discover,
+    format_cpulist,
+    pin,
+    plan,
+)
+
+
+@dataclass
+class WorkerResult:
+    index: int
+    cpus: tuple[int, ...]
+    pid: int = 0
+    session: int = 0
+    status: str = "starting"     # running, done, killed (by --kill-worker), died, error
+    message: str = ""
+    stats: dict = field(default_factory=dict)   # the `done` report, else the last progress
+
+
+@dataclass
+class RunResult:
+    mode: str                     # shared | isolated
+    config: PoolConfig
+    workers: list[WorkerResult]
+    seconds: float = 0.0
+    pools: list[dict] = field(default_factory=list)   # per coordinator, after the run
+    interrupted: bool = False
+
+    def total(self, key: str) -> int:
+        return sum(w.stats.get(key, 0) for w in self.workers)
+
+    @property
+    def hit_rate(self) -> float:
+        prompt = self.total("prompt_tokens")
+        return self.total("hit_tokens") / prompt if prompt else 0.0
+
+    @property
+    def latencies(self) -> list[int]:
+        return sorted(us for w in self.workers for us in w.stats.get("batch_us", ()))
+
+    @property
+    def integrity_failures(self) -> int:
+        return self.total("integrity_failures")
+
+    def to_dict(self) -> dict:
+        lat = self.latencies
+        return {
+            "mode": self.mode, "seconds": self.seconds, "interrupted": self.interrupted,
+            "num_blocks": self.config.num_blocks,
+            "requests": self.total("finished"), "aborted": self.total("aborted"),
+            "prompt_tokens": self.total("prompt_tokens"),
+            "generated_tokens": self.total("generated_tokens"),
+            "hit_tokens": self.total("hit_tokens"), "hit_rate": self.hit_rate,
+            "cross_hit_tokens": self.total("cross_hit_tokens"),
+            "computed_tokens": self.total("computed_tokens"),
+            "preemptions": self.total("preemptions"),
+            "hit_blocks_checked": self.total("hit_blocks_checked"),
+            "hit_mismatches": self.total("hit_mismatches"),
+            "decode_checks": self.total("decode_checks"),
+            "decode_mismatches": self.total("decode_mismatches"),
+            "step_batch_us_p50": percentile(lat, 50), "step_batch_us_p99": percentile(lat, 99),
+            "pools": self.pools,
+            "workers": [{"index": w.index, "cpus": list(w.cpus), "pid": w.pid,
+                         "status": w.status, "message": w.message,
+                         **{k: v for k, v in w.stats.items() if k != "batch_us"}}
+                        for w in self.workers],
+        }
+
+
+def percentile(sorted_values: list, q: float):
+    if not sorted_values:
+        return None
+    i = min(len(sorted_values) - 1, int(round(q / 100 * (len(sorted_values) - 1))))
+    return sorted_values[i]
+
+
+@dataclass
+class LaunchOptions:
+    num_workers: int = 2
+    duration: float = 30.0
+    grace: float = 10.0
+    config: PoolConfig | None = None      # None with `connect`
+    connect: str | None = None            # join this coordinator's socket
+    hash_algorithm: str = "sha256"        # with `connect`: the pool's hashing
+    hash_seed: str = "kvshm-0"
+    workload: dict = field(default_factory=lambda: {"kind": "synthetic"})
+    engine: dict = field(default_factory=dict)   # EngineOptions fields
+    pin: bool = True
+    kill_worker: int | None = None
+    kill_after: float = 5.0
+    live: bool = True                     # progress lines while running
+
+
+class Launch:
+    """One run in one mode (shared or isolated)."""
+
+    def __init__(self, opts: LaunchOptions, cpu_plan: Plan, mode: str,
+                 out=sys.stdout) -> None:
+        self.opts = opts
+        self.plan = cpu_plan
+        self.mode = mode
+        self.out = out
+        self.coordinators = []
+        self.sockets: list[str] = []
+        self.procs: list[asyncio.subprocess.Process] = []
+        self.results = [WorkerResult(i, tuple(n.cpus)) for i, n in enumerate(cpu_plan.workers)]
+        self.interrupted = asyncio.Event()
+        self.config = opts.config
+
+    # -- coordinators ------------------------------------------------------------------------------
+    def start_coordinators(self) -> None:
+        from kvshm.service.process import CoordinatorProcess
+        opts = self.opts
+        if opts.connect:
+            self.sockets = [opts.connect] * opts.num_workers
+            return
+        n = opts.num_workers if self.mode == "isolated" else 1
+        cfg = opts.config
+        if self.mode == "isolated":   # the same total, split (each keeps a null block)
+            cfg = cfg.replace(num_blocks=(cfg.num_blocks - 1) // n + 1).validate()
+        self.config = cfg
+        for _ in range(n):
+            proc = CoordinatorProcess(cfg, new_session=True)
+            self.coordinators.append(proc)
+            proc.wait_ready()
+            if opts.pin and self.plan.coordinator_cpus:
+                pin(self.plan.coordinator_cpus, proc.proc.pid)
+        self.sockets = [str(c.socket) for c in self.coordinators]
+        if len(self.sockets) == 1:
+            self.sockets *= opts.num_workers
+
+    def stop_coordinators(self) -> None:
+        errors = []
+        for c in self.coordinators:
+            code = c.stop()
+            if code != 0:
+                errors.append(f"coordinator {c.name} exited with {code}: {c.stderr[-500:]}")
+        self.coordinators.clear()
+        if errors:
+            raise RuntimeError("; ".join(errors))
+
+    async def pool_reports(self) -> list[dict]:
+        """Every pool's state after the run, from the coordinator and a check
+        of its segment."""
+        from kvshm.core.check import check_segment
+        from kvshm.core.segment import PoolSegment
+        from kvshm.service.client import connect
+        reports = []
+        for sock in dict.fromkeys(self.sockets):
+            client = await connect(sock, **self._hash())
+            try:
+                st = await client.stats()
+                with PoolSegment.attach(client.pool_segment) as seg:
+                    check = check_segment(seg)
+            finally:
+                await client.close()
+            reports.append({"socket": sock, "num_blocks": st.num_blocks,
+                            "num_free_blocks": st.num_free_blocks,
+                            "num_cached_blocks": st.num_cached_blocks,
+                            "num_requests": st.num_requests, "num_sessions": st.num_sessions,
+                            "check_clean": check.clean, "problems": check.problems[:5]})
+        return reports
+
+    def _hash(self) -> dict:
+        cfg = self.config
+        if cfg is None:
+            return {"hash_algorithm": self.opts.hash_algorithm, "hash_seed": self.opts.hash_seed}
+        return {"hash_algorithm": cfg.hash_algorithm, "hash_seed": cfg.hash_seed}
+
+    # -- workers --------------------------------------------------------------------------------------
+    async def spawn(self, i: int) -> asyncio.subprocess.Process:
+        opts = self.opts
+        node = self.plan.workers[i]
+        threads = str(max(1, len(node.cpus)))
+        env = {**os.environ, "OPENBLAS_NUM_THREADS": threads, "OMP_NUM_THREADS": threads,
+               "MKL_NUM_THREADS": threads}
+        args = [sys.executable, "-m", "workers.worker", "--socket", self.sockets[i],
+                "--index", str(i), "--num-workers", str(opts.num_workers),
+                "--node", str(node.id), "--workload", json.dumps(opts.workload),
+                "--options", json.dumps(opts.engine), "--hash", json.dumps(self._hash()),
+                "--duration", str(opts.duration), "--grace", str(opts.grace)]
+        if opts.pin:
+            args += ["--cpus", format_cpulist(node.cpus)]
+        return await asyncio.create_subprocess_exec(
+            *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env,
+            start_new_session=True, limit=2**26)
+
+    async def watch(self, i: int, proc: asyncio.subprocess.Process) -> None:
+        res = self.results[i]
+        res.pid = proc.pid
+        res.status = "running"
+        stderr_task = asyncio.ensure_future(proc.stderr.read())
+        async for line in proc.stdout:
+            try:
+                msg = json.loads(line)
+            except ValueError:
+                continue
+            event = msg.pop("event", "")
+            if event == "ready":
+                res.session = msg.get("session", 0)
+            elif event == "progress":
+                res.stats = msg
+            elif event == "done":
+                res.stats, res.status = msg, "done"
+            elif event == "error":
+                res.status, res.message = "error", msg.get("message", "")
+        code = await proc.wait()
+        err = (await stderr_task).decode(errors="replace").strip()
+        if res.status == "running":
+            if code < 0 and -code == signal.SIGKILL and i == self.opts.kill_worker:
+                res.status = "killed"
+                res.message = f"killed with SIGKILL by --kill-worker after {self.opts.kill_after:g}s"
+            elif self.interrupted.is_set():
+                res.status, res.message = "interrupted", "stopped by Ctrl-C"
+            else:
+                res.status = "died"
+                res.message = (f"exited with {_exit_text(code)}"
+                               + (f": {err.splitlines()[-1]}" if err else ""))
+
+    async def run(self) -> RunResult:
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGINT, self.interrupted.set)
+        loop.add_signal_handler(signal.SIGTERM, self.interrupted.set)
+        t0 = time.monotonic()
+        try:
+            await asyncio.to_thread(self.start_coordinators)
+            if self.config is None:   # joined a coordinator: learn its pool
+                from kvshm.service.client import connect
+                client = await connect(self.sockets[0], **self._hash())
+                self.config = client.config
+                await client.close()
+            self.procs = [await self.spawn(i) for i in range(self.opts.num_workers)]
+            watchers = [asyncio.ensure_future(self.watch(i, p)) for i, p in enumerate(self.procs)]
+            extras = [asyncio.ensure_future(self._progress(t0)),
+                      asyncio.ensure_future(self._stop_on_interrupt())]
+            if self.opts.kill_worker is not None:
+                extras.append(asyncio.ensure_future(self._kill_later()))
+            await asyncio.gather(*watchers)
+            for task in extras:
+                task.cancel()
+            seconds = time.monotonic() - t0
+            pools = [] if self.interrupted.is_set() else await self.pool_reports()
+        finally:
+            for proc in self.procs:
+                if proc.returncode is None:
+                    proc.kill()
+                    await proc.wait()
+            loop.remove_signal_handler(signal.SIGINT)
+            loop.remove_signal_handler(signal.SIGTERM)
+            await asyncio.to_thread(self.stop_coordinators)
+        if self.opts.live:
+            self.out.write("\n" if self.out.isatty() else "")
+        return RunResult(self.mode, self.config, self.results, seconds, pools,
+                         self.interrupted.is_set())
+
+    async def _stop_on_interrupt(self) -> None:
+        await self.interrupted.wait()
+        for proc in self.procs:
+            if proc.returncode is None:
+                proc.terminate()
+
+    async def _kill_later(self) -> None:
+        await asyncio.sleep(self.opts.kill_after)
+        proc = self.procs[self.opts.kill_worker]
+        if proc.returncode is None:
+            proc.kill()
+
+    async def _progress(self, t0: float) -> None:
+        """A status line every second (rewritten in place on a terminal,
+        every 5 s otherwise)."""
+        if not self.opts.live:
+            return
+        tty = self.out.isatty()
+        period = 1.0 if tty else 5.0
+        while True:
+            await asyncio.sleep(period)
+            self.out.write(("\r" if tty else "") + self._status(time.monotonic() - t0)
+                           + ("" if tty else "\n"))
+            self.out.flush()
+
+    def _status(self, elapsed: float) -> str:
+        tot = lambda k: sum(w.stats.get(k, 0) for w in self.results)  # noqa: E731
+        prompt = tot("prompt_tokens")
+        hit = tot("hit_tokens")
+        tokens = tot("computed_tokens") + hit
+        usage = self._pool_usage()
+        running = sum(1 for w in self.results if w.status == "running")
+        return (f"[{self.mode} {elapsed:5.1f}s] workers {running}/{len(self.results)} | "
+                f"requests {tot('finished'):,} | {tokens / max(elapsed, 1e-9):,.0f} tok/s | "
+                f"hit {hit / prompt if prompt else 0:.1%} (cross-worker "
+                f"{tot('cross_hit_tokens'):,} tok) | pool {usage} | "
+                f"preempt {tot('preemptions')} | mismatches {tot('integrity_failures')}  ")
+
+    def _pool_usage(self) -> str:
+        from kvshm.core.segment import PoolSegment
+        from kvshm.core.stats import read_stats
+        if not self.coordinators:
+            return "?"
+        used = []
+        for c in self.coordinators:
+            try:
+                with PoolSegment.attach(c.name) as seg:
+                    used.append(read_stats(seg)["usage"])
+            except Exception:   # noqa: BLE001 - starting or stopping: no figure this time
+                return "?"
+        return f"{sum(used) / len(used):.0%}"
+
+
+def _exit_text(code: int) -> str:
+    if code < 0:
+        try:
+            return f"signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"signal {-code}"
+    return f"status {code}"
+
+
+def make_plan(num_workers: int, pin_cpus: bool = True) -> Plan:
+    """Where the workers (and the coordinator) run: `topology.plan` over the
+    discovered nodes, or every worker on every allowed CPU without pinning."""
+    if pin_cpus:
+        return plan(num_workers, discover())
+    cpus = tuple(allowed_cpus())
+    return Plan([Node(i, cpus, True) for i in range(num_workers)], None,
+                ["pinning off: workers and coordinator float on every allowed CPU"])
+
+
+async def launch(opts: LaunchOptions, mode: str, cpu_plan: Plan, out=sys.stdout) -> RunResult:
+    """Run the workload once in `mode` ("shared" or "isolated")."""
+    return await Launch(opts, cpu_plan, mode, out).run()

@@ -1,0 +1,279 @@
+"""The `kvshm run` command (also `python -m workers`): its arguments, the
+shared / isolated / compare runs, and the printed summary.
+
+Exit status: 0 when every integrity check passed and every worker finished
+(or was the one `--kill-worker` killed), 1 otherwise, 2 for bad arguments,
+130 after Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from kvshm.core.errors import KvshmError
+from workers.launcher import LaunchOptions, RunResult, launch, make_plan, percentile
+from workers.topology import describe, format_cpulist
+
+DEFAULT_PRESET = "tiny"
+DEFAULT_KV_MEMORY = "96M"
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
+    ap.add_argument("--duration", type=float, default=30.0,
+                    help="seconds of workload (admissions stop then; default 30)")
+    ap.add_argument("--grace", type=float, default=10.0,
+                    help="seconds after --duration for running requests to finish (10)")
+    pool = ap.add_mutually_exclusive_group()
+    pool.add_argument("--preset", default=None,
+                      help=f"model-shaped pool preset (default {DEFAULT_PRESET}; see "
+                           "`kvshm serve --help`)")
+    pool.add_argument("--config", help="pool config file with a [kv] shape")
+    pool.add_argument("--connect", metavar="SOCKET",
+                      help="join a running coordinator instead of starting one")
+    size = ap.add_mutually_exclusive_group()
+    size.add_argument("--kv-memory", help=f"KV arena size (default {DEFAULT_KV_MEMORY})")
+    size.add_argument("--num-blocks", type=int, help="pool size in blocks")
+    mode = ap.add_mutually_exclusive_group()
+    mode.add_argument("--isolated", action="store_true",
+                      help="each worker gets a private pool of total/N blocks")
+    mode.add_argument("--compare", action="store_true",
+                      help="run shared, then isolated, and compare them")
+    ap.add_argument("--workload", default="synthetic",
+                    help="'synthetic' (default) or a JSONL file of prompts")
+    ap.add_argument("--assign", choices=("round-robin", "hash"), default="round-robin",
+                    help="how requests go to workers (hash keeps a conversation on one)")
+    ap.add_argument("--seed", type=int, default=0, help="workload and model seed")
+    ap.add_argument("--token-budget", type=int, default=512, help="tokens per scheduler step")
+    ap.add_argument("--max-running", type=int, default=32, help="running requests per worker")
+    ap.add_argument("--verify-hits", type=float, default=1.0,
+                    help="fraction of prefix-cache hit blocks whose K/V are checked (1.0)")
+    ap.add_argument("--check-decode", type=float, default=0.05,
+                    help="fraction of decode steps checked against a recompute (0.05)")
+    ap.add_argument("--no-pin", action="store_true", help="do not pin workers to CPUs")
+    ap.add_argument("--kill-worker", type=int, metavar="I",
+                    help="fault injection: SIGKILL worker I after --kill-after seconds")
+    ap.add_argument("--kill-after", type=float, default=5.0)
+    ap.add_argument("--hash-algorithm", default="sha256", help="with --connect")
+    ap.add_argument("--hash-seed", default="kvshm-0", help="with --connect")
+    ap.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    ap.add_argument("--quiet", action="store_true", help="no live progress")
+
+
+def options_from_args(args: argparse.Namespace) -> LaunchOptions:
+    """LaunchOptions from parsed arguments; raises ValueError / KvshmError
+    with a message for the user."""
+    from kvshm.core.specs import PoolConfig
+    from kvshm.service.presets import blocks_for_memory, parse_size, preset_config
+
+    if args.workers < 1:
+        raise ValueError(f"--workers must be at least 1 (got {args.workers})")
+    if args.duration <= 0 or args.grace < 0:
+        raise ValueError("--duration must be positive and --grace not negative")
+    if args.kill_worker is not None and not 0 <= args.kill_worker < args.workers:
+        raise ValueError(f"--kill-worker must be a worker index in [0, {args.workers})")
+    for name in ("verify_hits", "check_decode"):
+        if not 0.0 <= getattr(args, name) <= 1.0:
+            raise ValueError(f"--{name.replace('_', '-')} must be within [0, 1]")
+    if args.token_budget < 1 or args.max_running < 1:
+        raise ValueError("--token-budget and --max-running must be positive")
+    config = None
+    if args.connect:
+        if args.isolated or args.compare:
+            raise ValueError("--isolated/--compare start their own pools: not with --connect")
+        if args.kv_memory or args.num_blocks:
+            raise ValueError("--connect joins an existing pool: its size is the coordinator's")
+    elif args.config:
+        config = PoolConfig.from_file(args.config)
+        if config.kv is None:
+            raise ValueError(f"{args.config} has no [kv] shape: workers need a KV arena")
+        if args.num_blocks:
+            config = config.replace(num_blocks=args.num_blocks).validate()
+        elif args.kv_memory:
+            config = config.replace(num_blocks=blocks_for_memory(
+                config.kv_block_bytes, parse_size(args.kv_memory))).validate()
+    else:
+        config = preset_config(
+            args.preset or DEFAULT_PRESET, num_blocks=args.num_blocks,
+            kv_memory=parse_size(args.kv_memory or DEFAULT_KV_MEMORY)
+            if not args.num_blocks else None)
+    if args.workload == "synthetic":
+        max_len = config.max_model_len if config else 4096
+        workload = {"kind": "synthetic", "spec": {"seed": args.seed, "max_len": max_len}}
+    else:
+        path = Path(args.workload)
+        if not path.is_file():
+            raise ValueError(f"--workload: {path} is not a file (or say 'synthetic')")
+        from workers.traffic import load_jsonl
+        max_len = config.max_model_len if config else 4096
+        load_jsonl(path, max_len=max_len)    # bad lines fail here, not in N workers
+        workload = {"kind": "jsonl", "path": str(path.resolve()), "max_len": max_len}
+    workload["assign"] = args.assign
+    engine = {"token_budget": args.token_budget, "max_running": args.max_running,
+              "verify_hits": args.verify_hits, "check_decode": args.check_decode,
+              "seed": args.seed}
+    if config is not None:
+        from workers.engine import check_supported
+        check_supported(config)
+    return LaunchOptions(
+        num_workers=args.workers, duration=args.duration, grace=args.grace, config=config,
+        connect=args.connect, hash_algorithm=args.hash_algorithm, hash_seed=args.hash_seed,
+        workload=workload, engine=engine, pin=not args.no_pin, kill_worker=args.kill_worker,
+        kill_after=args.kill_after, live=not args.quiet)
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvshm.service.server import run_async
+
+    try:
+        opts = options_from_args(args)
+    except (ValueError, KvshmError) as e:
+        print(f"kvshm run: {e}", file=sys.stderr)
+        return 2
+    cpu_plan = make_plan(opts.num_workers, opts.pin)
+    print(header(opts, cpu_plan), flush=True)
+    modes = ["shared", "isolated"] if args.compare else [
+        "isolated" if args.isolated else "shared"]
+    results: list[RunResult] = []
+    for mode in modes:
+        res = run_async(launch(opts, mode, cpu_plan))
+        results.append(res)
+        print(summary(res), flush=True)
+        if res.interrupted:
+            break
+    if len(results) == 2:
+        print(comparison(*results), flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(
+            {"runs": [r.to_dict() for r in results]}, indent=2))
+    if any(r.interrupted for r in results):
+        return 130
+    return 0 if all(_ok(r, opts) for r in results) else 1
+
+
+def _ok(res: RunResult, opts: LaunchOptions) -> bool:
+    expected = {"done"} | ({"killed"} if opts.kill_worker is not None else set())
+    return (res.integrity_failures == 0 and all(w.status in expected for w in res.workers)
+            and all(p["check_clean"] for p in res.pools))
+
+
+# -- printing ---------------------------------------------------------------------------------
+def header(opts: LaunchOptions, cpu_plan) -> str:
+    lines = []
+    cfg = opts.config
+    if cfg is not None:
+        kv = cfg.kv
+        lines.append(
+            f"kvshm run: {opts.num_workers} workers, {opts.duration:g}s of workload; pool of "
+            f"{cfg.num_blocks:,} blocks x {cfg.kv_block_bytes:,} bytes "
+            f"({cfg.num_blocks * cfg.kv_block_bytes / 2**20:,.0f} MiB KV: "
+            f"{len(cfg.groups)} group(s) x {kv.num_layers} layers x {kv.num_kv_heads} KV heads "
+            f"x {kv.head_size}, {kv.dtype})")
+    else:
+        lines.append(f"kvshm run: {opts.num_workers} workers joining {opts.connect}")
+    lines.append("placement:")
+    lines += ["  " + line for line in describe(cpu_plan).splitlines()]
+    return "\n".join(lines)
+
+
+def _pct(a: int, b: int) -> str:
+    return f"{a / b:.1%}" if b else "-"
+
+
+def summary(res: RunResult) -> str:
+    t = res.total
+    lat = res.latencies
+    secs = max(res.seconds, 1e-9)
+    prompt, hit, cross = t("prompt_tokens"), t("hit_tokens"), t("cross_hit_tokens")
+    out = [f"== {res.mode} pool{' (interrupted)' if res.interrupted else ''}: "
+           f"{res.seconds:.1f}s, {len(res.workers)} workers, {res.config.num_blocks:,} "
+           f"blocks per pool x {len(res.pools) or 1} pool(s)",
+           f"  requests          {t('finished'):,} finished, {t('aborted'):,} aborted at the "
+           f"deadline ({t('finished') / secs:,.1f}/s)",
+           f"  tokens            {prompt:,} prompt, {t('generated_tokens'):,} generated; "
+           f"{t('computed_tokens'):,} computed ({t('computed_tokens') / secs:,.0f} tok/s)",
+           f"  prefix cache      hit rate {_pct(hit, prompt)}: {hit:,} prompt tokens not "
+           f"recomputed; {cross:,} of them from blocks another worker wrote "
+           f"({_pct(cross, hit)} of hits)",
+           f"  allocation        step batch round trip p50 {percentile(lat, 50) or 0:,} us, "
+           f"p99 {percentile(lat, 99) or 0:,} us over {len(lat):,} steps",
+           f"  preemptions       {t('preemptions'):,}",
+           f"  integrity         {t('hit_blocks_checked'):,} hit blocks checked: "
+           f"{t('hit_mismatches')} mismatches; {t('decode_checks'):,} decode attention "
+           f"checks: {t('decode_mismatches')} mismatches"]
+    for pool in res.pools:
+        out.append(
+            f"  pool after run    {pool['num_requests']} requests, {pool['num_free_blocks']:,} "
+            f"of {pool['num_blocks'] - 1:,} blocks free ({pool['num_cached_blocks']:,} "
+            f"cached), segment check {'clean' if pool['check_clean'] else 'FAILED: '}"
+            + "; ".join(pool["problems"]))
+    for w in res.workers:
+        s = w.stats
+        out.append(
+            f"  worker {w.index} cpus {format_cpulist(w.cpus):<6} pid {w.pid:<7} {w.status:<8} "
+            f"requests {s.get('finished', 0):>5,}  hit {_pct(s.get('hit_tokens', 0), s.get('prompt_tokens', 0)):>6}  "
+            f"cross-worker {s.get('cross_hit_tokens', 0):>8,} tok  "
+            f"computed {s.get('computed_tokens', 0):>8,} tok  preempt {s.get('preemptions', 0)}  "
+            f"mismatches {s.get('integrity_failures', 0)}")
+        if w.message:
+            out.append(f"    worker {w.index}: {w.message}")
+        if s.get("first_error"):
+            out.append(f"    worker {w.index} first integrity failure: {s['first_error']}")
+    killed = [w for w in res.workers if w.status in ("killed", "died")]
+    if killed and res.pools:
+        back = all(p["num_requests"] == 0 and p["num_free_blocks"] == p["num_blocks"] - 1
+                   for p in res.pools)
+        out.append(f"  note: worker(s) {', '.join(str(w.index) for w in killed)} did not "
+                   f"finish; the coordinator freed their requests when their sessions "
+                   f"ended: {'every block is back in the pool' if back else 'BLOCKS MISSING'}")
+    return "\n".join(out)
+
+
+def comparison(shared: RunResult, isolated: RunResult) -> str:
+    def row(name, a, b):
+        return f"  {name:<26}{a:>16}{b:>16}"
+
+    def rate(r):
+        return f"{r.hit_rate:.1%}"
+
+    def tps(r, key):
+        return f"{r.total(key) / max(r.seconds, 1e-9):,.0f}"
+
+    def lat(r, q):
+        return f"{percentile(r.latencies, q) or 0:,}"
+
+    rows = [
+        "== shared vs isolated (same workload, same total blocks)",
+        row("", "shared", "isolated"),
+        row("prefix hit rate", rate(shared), rate(isolated)),
+        row("tokens saved (hits)", f"{shared.total('hit_tokens'):,}",
+            f"{isolated.total('hit_tokens'):,}"),
+        row("cross-worker hit tokens", f"{shared.total('cross_hit_tokens'):,}",
+            f"{isolated.total('cross_hit_tokens'):,}"),
+        row("requests finished", f"{shared.total('finished'):,}",
+            f"{isolated.total('finished'):,}"),
+        row("computed tok/s", tps(shared, "computed_tokens"), tps(isolated, "computed_tokens")),
+        row("generated tok/s", tps(shared, "generated_tokens"),
+            tps(isolated, "generated_tokens")),
+        row("step round trip p50 us", lat(shared, 50), lat(isolated, 50)),
+        row("step round trip p99 us", lat(shared, 99), lat(isolated, 99)),
+        row("preemptions", f"{shared.total('preemptions'):,}",
+            f"{isolated.total('preemptions'):,}"),
+        row("integrity mismatches", str(shared.integrity_failures),
+            str(isolated.integrity_failures)),
+    ]
+    diff = shared.hit_rate - isolated.hit_rate
+    rows.append(f"  the shared pool's hit rate is {abs(diff) * 100:.1f} points "
+                f"{'higher' if diff > 0 else 'LOWER'} than isolated pools'")
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m workers", description="run kvshm CPU workers on a shared KV pool "
+        "(same as `kvshm run`)")
+    add_arguments(ap)
+    return run(ap.parse_args(argv))

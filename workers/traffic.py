@@ -1,0 +1,353 @@
+"""Request streams for the workers: a deterministic synthetic chat workload
+with shared system prompts and multi-turn conversations, JSONL traces, and
+the split of one stream among workers.
+
+Every process that builds the same stream gets the same items (no use of
+`hash()`, so PYTHONHASHSEED does not matter), which lets each worker generate
+the whole stream and keep its share (`assign`) without talking to the others.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import random
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Item:
+    """One request.
+
+    `output` holds the tokens the "model" produces in decode (teacher-forced),
+    so that the next turn of the conversation, whose prompt contains them, can
+    hit blocks cached during decode.  `turn` counts from 0 per conversation.
+    """
+
+    rid: str
+    prompt: tuple[int, ...]
+    output: tuple[int, ...]
+    conversation: str
+    turn: int
+
+
+@dataclass(frozen=True)
+class SyntheticSpec:
+    """Shape of the synthetic chat workload (lengths in tokens).
+
+    Lengths drawn "lognormal" are `median * exp(sigma * N(0, 1))`, rounded and
+    clipped to their (min, max); turns per conversation are geometric with
+    mean `mean_turns` (before the cap `max_turns` and the `max_len` cut).
+    """
+
+    seed: int = 0
+    vocab: int = 32000
+    num_system_prompts: int = 3
+    system_len: tuple[int, int] = (400, 1200)   # uniform
+    share_system: float = 0.8                   # conversations opening with a shared prompt
+    system_skew: float = 1.2                    # Zipf exponent of system prompt popularity
+    user_len: tuple[int, int] = (16, 1024)
+    user_median: float = 120.0
+    output_len: tuple[int, int] = (8, 512)
+    output_median: float = 80.0
+    sigma: float = 0.9                          # spread of both lognormals
+    mean_turns: float = 2.5
+    max_turns: int = 8
+    max_len: int = 4096                         # prompt + output of every item
+    open_conversations: int = 8                 # interleaved at any time
+
+    def validate(self) -> SyntheticSpec:
+        """Check the fields.
+
+        Returns:
+            self, for chaining.
+        Raises:
+            ValueError: a field out of range (its value is in the message), or
+                a `max_len` too small for the longest first turn.
+        """
+        def bounds(name: str, lo_min: int) -> None:
+            lo, hi = getattr(self, name)
+            if not (isinstance(lo, int) and isinstance(hi, int) and lo_min <= lo <= hi):
+                raise ValueError(f"{name} must be ints ({lo_min} <= min <= max), "
+                                 f"got {(lo, hi)!r}")
+
+        if self.vocab < 1:
+            raise ValueError(f"vocab must be >= 1, got {self.vocab}")
+        if self.num_system_prompts < 0:
+            raise ValueError(f"num_system_prompts must be >= 0, got {self.num_system_prompts}")
+        if not 0.0 <= self.share_system <= 1.0:
+            raise ValueError(f"share_system must be in [0, 1], got {self.share_system}")
+        if self.share_system > 0 and self.num_system_prompts == 0:
+            raise ValueError(f"share_system={self.share_system} needs system prompts, "
+                             f"num_system_prompts is 0")
+        if self.system_skew < 0:
+            raise ValueError(f"system_skew must be >= 0, got {self.system_skew}")
+        bounds("system_len", 1)
+        bounds("user_len", 1)
+        bounds("output_len", 0)
+        for name in ("user_median", "output_median", "mean_turns"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.sigma < 0:
+            raise ValueError(f"sigma must be >= 0, got {self.sigma}")
+        if self.mean_turns < 1:
+            raise ValueError(f"mean_turns must be >= 1, got {self.mean_turns}")
+        if self.max_turns < 1:
+            raise ValueError(f"max_turns must be >= 1, got {self.max_turns}")
+        if self.open_conversations < 1:
+            raise ValueError(f"open_conversations must be >= 1, got {self.open_conversations}")
+        longest = ((self.system_len[1] if self.share_system > 0 else 0)
+                   + self.user_len[1] + self.output_len[1])
+        if self.max_len < longest:
+            raise ValueError(f"max_len {self.max_len} is below the longest first turn, "
+                             f"{longest} tokens (system + user + output maxima)")
+        return self
+
+
+class _Conversation:
+    __slots__ = ("num", "turn", "turns_left", "context")
+
+    def __init__(self, num: int, turns: int, context: tuple[int, ...]) -> None:
+        self.num = num
+        self.turn = 0
+        self.turns_left = turns
+        self.context = context    # the previous turn's prompt + output
+
+
+def synthetic(spec: SyntheticSpec = SyntheticSpec()) -> Iterator[Item]:
+    """An infinite, deterministic stream of chat requests.
+
+    `spec.open_conversations` conversations are open at a time; each item is
+    the next turn of one of them, picked at random, and a finished
+    conversation is replaced by a new one.  A conversation opens with one of
+    the shared system prompts (probability `share_system`, Zipf-weighted)
+    plus user tokens, or with user tokens only; turn k+1's prompt is turn k's
+    prompt + turn k's output + new user tokens.  A conversation ends after its
+    drawn number of turns or when the next turn would not fit in `max_len`.
+
+    Args:
+        spec: the workload shape.
+    Returns:
+        An iterator of `Item`s with ids "c<conversation>-t<turn>"; the same
+        spec yields the same items in every process.
+    Raises:
+        ValueError: an invalid spec (raised by this call, not on first next()).
+    """
+    spec.validate()
+    return _synthetic(spec)
+
+
+def _synthetic(spec: SyntheticSpec) -> Iterator[Item]:
+    rng = random.Random(spec.seed)
+    vocab = range(spec.vocab)
+    systems = [tuple(rng.choices(vocab, k=rng.randint(*spec.system_len)))
+               for _ in range(spec.num_system_prompts)]
+    weights = [1.0 / (k + 1) ** spec.system_skew for k in range(spec.num_system_prompts)]
+    p_stop = 1.0 / spec.mean_turns
+
+    def lognormal(median: float, lo_hi: tuple[int, int]) -> int:
+        x = round(median * math.exp(spec.sigma * rng.gauss(0.0, 1.0)))
+        return min(max(x, lo_hi[0]), lo_hi[1])
+
+    def user() -> tuple[int, ...]:
+        return tuple(rng.choices(vocab, k=lognormal(spec.user_median, spec.user_len)))
+
+    def output() -> tuple[int, ...]:
+        return tuple(rng.choices(vocab, k=lognormal(spec.output_median, spec.output_len)))
+
+    next_num = 0
+
+    def open_conversation() -> _Conversation:
+        nonlocal next_num
+        turns = 1
+        while turns < spec.max_turns and rng.random() >= p_stop:
+            turns += 1
+        opening: tuple[int, ...] = ()
+        if rng.random() < spec.share_system:
+            opening = rng.choices(systems, weights)[0]
+        conv = _Conversation(next_num, turns, opening)
+        next_num += 1
+        return conv
+
+    open_ = [open_conversation() for _ in range(spec.open_conversations)]
+    while True:
+        slot = rng.randrange(len(open_))
+        conv = open_[slot]
+        prompt = conv.context + user()
+        out = output()
+        if conv.turn > 0 and len(prompt) + len(out) > spec.max_len:
+            # The conversation outgrew max_len: close it, serve a fresh one
+            # (whose first turn fits, by validate()).
+            conv = open_[slot] = open_conversation()
+            prompt = conv.context + user()
+            out = output()
+        yield Item(f"c{conv.num}-t{conv.turn}", prompt, out, f"c{conv.num}", conv.turn)
+        conv.turn += 1
+        conv.turns_left -= 1
+        conv.context = prompt + out
+        if conv.turns_left == 0:
+            open_[slot] = open_conversation()
+
+
+def _stable_hash(text: str) -> int:
+    return int.from_bytes(hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest(), "big")
+
+
+def tokenize(text: str, vocab: int = 32000) -> tuple[int, ...]:
+    """A trivial tokenizer: one token per whitespace-separated word.
+
+    Args:
+        text: the text.
+        vocab: ids are in [0, vocab).
+    Returns:
+        The ids; a word always maps to the same id (blake2b, independent of
+        PYTHONHASHSEED and of the process).
+    Raises:
+        ValueError: vocab < 1.
+    """
+    if vocab < 1:
+        raise ValueError(f"vocab must be >= 1, got {vocab}")
+    return tuple(_stable_hash(word) % vocab for word in text.split())
+
+
+def _ids(value: object, key: str, where: str) -> tuple[int, ...]:
+    if not isinstance(value, list):
+        raise ValueError(f"{where}: {key!r} must be a list of token ids, "
+                         f"got {type(value).__name__}")
+    for i, t in enumerate(value):
+        if isinstance(t, bool) or not isinstance(t, int):
+            raise ValueError(f"{where}: {key}[{i}] is {t!r}, not an int token id")
+        if t < 0:
+            raise ValueError(f"{where}: {key}[{i}] is {t}, a negative token id")
+    return tuple(value)
+
+
+def load_jsonl(path: str | Path, *, vocab: int = 32000, default_output_len: int = 64,
+               max_len: int = 4096) -> list[Item]:
+    """Load requests from a JSON-lines file.
+
+    Each non-blank line is an object with the prompt as "prompt_ids" (a list
+    of ints >= 0) or "prompt" (text, see `tokenize`), and optionally
+    "output_ids" or "output_len" (default `default_output_len`; the tokens
+    are then drawn from a generator seeded by the item's id), "id" (default
+    "l<line number>") and "conversation" (default the id; items of one
+    conversation are numbered as turns 0, 1, ... in file order).  Other keys
+    are ignored.
+
+    Args:
+        path: the file.
+        vocab: id range of `tokenize` and of generated outputs (ids given in
+            the file are not checked against it).
+        default_output_len: output length when a line gives none.
+        max_len: the most tokens (prompt + output) one item may hold.
+    Returns:
+        The items in file order.
+    Raises:
+        ValueError: bad arguments, or a bad line: invalid JSON, not an
+            object, no prompt or both kinds, non-int or negative ids, an empty
+            prompt, a bad output_len, both output kinds, a non-string or
+            duplicate id, or prompt + output over max_len; the message starts
+            with "<path>:<line>:".
+        OSError: the file cannot be read.
+    """
+    if vocab < 1:
+        raise ValueError(f"vocab must be >= 1, got {vocab}")
+    if default_output_len < 0:
+        raise ValueError(f"default_output_len must be >= 0, got {default_output_len}")
+    if max_len < 1:
+        raise ValueError(f"max_len must be >= 1, got {max_len}")
+    items: list[Item] = []
+    first_seen: dict[str, int] = {}
+    turns: dict[str, int] = {}
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{where}: invalid JSON: {e.msg} "
+                                 f"(column {e.colno})") from None
+            if not isinstance(obj, dict):
+                raise ValueError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+
+            rid = obj.get("id", f"l{lineno}")
+            if not isinstance(rid, str) or not rid:
+                raise ValueError(f"{where}: 'id' must be a non-empty string, got {rid!r}")
+            if rid in first_seen:
+                raise ValueError(f"{where}: duplicate id {rid!r} (first on line "
+                                 f"{first_seen[rid]})")
+            conversation = obj.get("conversation", rid)
+            if not isinstance(conversation, str) or not conversation:
+                raise ValueError(f"{where}: 'conversation' must be a non-empty string, "
+                                 f"got {conversation!r}")
+
+            if "prompt_ids" in obj and "prompt" in obj:
+                raise ValueError(f"{where}: give either 'prompt_ids' or 'prompt', not both")
+            if "prompt_ids" in obj:
+                prompt = _ids(obj["prompt_ids"], "prompt_ids", where)
+            elif "prompt" in obj:
+                if not isinstance(obj["prompt"], str):
+                    raise ValueError(f"{where}: 'prompt' must be a string, "
+                                     f"got {type(obj['prompt']).__name__}")
+                prompt = tokenize(obj["prompt"], vocab)
+            else:
+                raise ValueError(f"{where}: no prompt (need 'prompt_ids' or 'prompt')")
+            if not prompt:
+                raise ValueError(f"{where}: empty prompt")
+
+            if "output_ids" in obj and "output_len" in obj:
+                raise ValueError(f"{where}: give either 'output_ids' or 'output_len', not both")
+            if "output_ids" in obj:
+                output = _ids(obj["output_ids"], "output_ids", where)
+            else:
+                n = obj.get("output_len", default_output_len)
+                if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+                    raise ValueError(f"{where}: 'output_len' must be an int >= 0, got {n!r}")
+                gen = random.Random(f"output:{rid}")     # str seeds hash with sha512
+                output = tuple(gen.choices(range(vocab), k=n))
+
+            if len(prompt) + len(output) > max_len:
+                raise ValueError(f"{where}: prompt ({len(prompt)}) + output ({len(output)}) "
+                                 f"= {len(prompt) + len(output)} tokens, over max_len {max_len}")
+            first_seen[rid] = lineno
+            turn = turns.get(conversation, 0)
+            turns[conversation] = turn + 1
+            items.append(Item(rid, prompt, output, conversation, turn))
+    return items
+
+
+ASSIGN_MODES = ("round-robin", "hash")
+
+
+def assign(items: Iterable[Item], worker: int, num_workers: int,
+           how: str = "round-robin") -> Iterator[Item]:
+    """The share of a stream that one worker takes.
+
+    Args:
+        items: the stream (may be infinite; consumed lazily).
+        worker: this worker's index, 0 <= worker < num_workers.
+        num_workers: how many workers split the stream, >= 1.
+        how: "round-robin" (items worker, worker + num_workers, ...) or
+            "hash" (a stable hash of the conversation id mod num_workers, so
+            a conversation stays on one worker).
+    Returns:
+        An iterator over this worker's items, in stream order.  Over all
+        workers the shares partition the stream.
+    Raises:
+        ValueError: an unknown `how`, num_workers < 1 or worker out of range
+            (raised by this call, not on first next()).
+    """
+    if how not in ASSIGN_MODES:
+        raise ValueError(f"how must be one of {ASSIGN_MODES}, got {how!r}")
+    if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
+        raise ValueError(f"num_workers must be an int >= 1, got {num_workers!r}")
+    if isinstance(worker, bool) or not isinstance(worker, int) or not 0 <= worker < num_workers:
+        raise ValueError(f"worker must be in [0, {num_workers}), got {worker!r}")
+    if how == "round-robin":
+        return (it for i, it in enumerate(items) if i % num_workers == worker)
+    return (it for it in items if _stable_hash(it.conversation) % num_workers == worker)
