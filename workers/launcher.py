@@ -37,6 +37,7 @@ class WorkerResult:
     cpus: tuple[int, ...]
     pid: int = 0
     session: int = 0
+    affinity: tuple[int, ...] = ()   # what the worker reports after pinning itself
     status: str = "starting"     # running, done, killed (by --kill-worker), died, error
     message: str = ""
     stats: dict = field(default_factory=dict)   # the `done` report, else the last progress
@@ -85,7 +86,8 @@ class RunResult:
             "decode_mismatches": self.total("decode_mismatches"),
             "step_batch_us_p50": percentile(lat, 50), "step_batch_us_p99": percentile(lat, 99),
             "pools": self.pools,
-            "workers": [{"index": w.index, "cpus": list(w.cpus), "pid": w.pid,
+            "workers": [{"index": w.index, "cpus": list(w.cpus), "affinity": list(w.affinity),
+                         "pid": w.pid, "session": w.session,
                          "status": w.status, "message": w.message,
                          **{k: v for k, v in w.stats.items() if k != "batch_us"}}
                         for w in self.workers],
@@ -223,6 +225,7 @@ class Launch:
             event = msg.pop("event", "")
             if event == "ready":
                 res.session = msg.get("session", 0)
+                res.affinity = tuple(msg.get("cpus", ()))
             elif event == "progress":
                 res.stats = msg
             elif event == "done":
