@@ -16,6 +16,7 @@ so another worker can never hit a block whose bytes are not written yet.
 
 from __future__ import annotations
 
+import asyncio
 import random
 import time
 from collections import deque
@@ -53,7 +54,7 @@ class EngineOptions:
     token_budget: int = 512          # tokens scheduled per step
     max_running: int = 32
     verify_hits: float = 1.0          # fraction of hit blocks whose K/V are checked
-    check_decode: float = 0.05        # fraction of decode steps checked against a recompute
+    check_decode: float = 0.02        # fraction of decode steps checked against a recompute
     seed: int = 0                     # model weights (all workers of a pool must agree)
     sample_seed: int = 0              # which blocks / steps get sampled
 
@@ -62,6 +63,7 @@ class EngineOptions:
 class EngineStats:
     finished: int = 0
     aborted: int = 0
+    rejected: int = 0                 # longer than the model or the whole pool: never admitted
     prompt_tokens: int = 0            # prompt tokens of admitted requests (first admission)
     hit_tokens: int = 0               # of those, served from the prefix cache
     cross_hit_tokens: int = 0         # of those, in blocks another worker wrote
@@ -156,7 +158,10 @@ class Engine:
                 if item is None:
                     exhausted = True
                     break
-                self.waiting.append(Seq(item))
+                if self._fits(item):
+                    self.waiting.append(Seq(item))
+                else:
+                    self.stats.rejected += 1
             if not open_for_new and self.waiting:
                 self.stats.aborted += sum(1 for s in self.waiting if s.added)
                 # Waiting requests that were never admitted are dropped; any that
@@ -165,13 +170,26 @@ class Engine:
                 self.waiting.clear()
             if not self.running and not self.waiting and not self.finishing:
                 break
-            await self.step()
+            if not await self.step():
+                # Nothing could run (every block is held by other workers):
+                # give them a moment instead of spinning on the coordinator.
+                await asyncio.sleep(0.002)
             if on_step is not None:
                 on_step(self.stats)
         await self._flush()
         return self.stats
 
-    async def step(self) -> None:
+    def _fits(self, item: Item) -> bool:
+        """Whether the request can ever be served: its whole length must fit
+        the model and (at once) the pool."""
+        total = len(item.prompt) + len(item.output)
+        if total > self.config.max_model_len:
+            return False
+        need = sum(-(-total // bs) for _, bs, _ in self.groups)
+        return need <= self.config.num_blocks - 1
+
+    async def step(self) -> bool:
+        """One scheduler step; returns whether any request ran."""
         st = self.stats
         st.steps += 1
         ops = self._bookkeeping()
@@ -203,7 +221,7 @@ class Engine:
             self._admitted(seq, results[i])
         if failed:
             await self._preempt(failed)
-        self._compute()
+        return self._compute()
 
     # -- building a batch ------------------------------------------------------------------------
     def _bookkeeping(self) -> list:
@@ -321,12 +339,14 @@ class Engine:
             await self.client.batch(ops)
 
     # -- the model -------------------------------------------------------------------------------
-    def _compute(self) -> None:
+    def _compute(self) -> bool:
         """Run the model on this step's scheduled tokens: K/V into the arena,
-        paged attention for decode tokens, then sample (teacher-forced)."""
+        paged attention for decode tokens, then sample (teacher-forced).
+        Returns whether anything ran."""
         st = self.stats
         model = self.model
         still = []
+        ran = any(seq.scheduled for seq in self.running)
         for seq in self.running:
             n = seq.scheduled
             if not n:
@@ -336,9 +356,8 @@ class Engine:
             toks = seq.tokens[start:start + n]
             k, v, ctx_after = model.kv(toks, start, seq.ctx)
             self._write(seq, start, k, v)
-            decode = start >= seq.prompt_len
-            if decode:
-                self._decode_attention(seq, start, toks[-1])
+            if n == 1 and start >= seq.prompt_len:   # a decode step (not a recompute)
+                self._decode_attention(seq, start, toks[0])
             seq.ctx = ctx_after
             seq.num_computed = start + n
             seq.scheduled = 0
@@ -357,6 +376,7 @@ class Engine:
             seq.to_advance = True
             still.append(seq)
         self.running = still
+        return ran
 
     def _write(self, seq: Seq, start: int, k: np.ndarray, v: np.ndarray) -> None:
         L = self.num_layers

@@ -74,6 +74,7 @@ class RunResult:
             "mode": self.mode, "seconds": self.seconds, "interrupted": self.interrupted,
             "num_blocks": self.config.num_blocks,
             "requests": self.total("finished"), "aborted": self.total("aborted"),
+            "rejected": self.total("rejected"),
             "prompt_tokens": self.total("prompt_tokens"),
             "generated_tokens": self.total("generated_tokens"),
             "hit_tokens": self.total("hit_tokens"), "hit_rate": self.hit_rate,

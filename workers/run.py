@@ -51,8 +51,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--max-running", type=int, default=32, help="running requests per worker")
     ap.add_argument("--verify-hits", type=float, default=1.0,
                     help="fraction of prefix-cache hit blocks whose K/V are checked (1.0)")
-    ap.add_argument("--check-decode", type=float, default=0.05,
-                    help="fraction of decode steps checked against a recompute (0.05)")
+    ap.add_argument("--check-decode", type=float, default=0.02,
+                    help="fraction of decode steps checked against a recompute (0.02)")
     ap.add_argument("--no-pin", action="store_true", help="do not pin workers to CPUs")
     ap.add_argument("--kill-worker", type=int, metavar="I",
                     help="fault injection: SIGKILL worker I after --kill-after seconds")
@@ -191,8 +191,10 @@ def summary(res: RunResult) -> str:
     out = [f"== {res.mode} pool{' (interrupted)' if res.interrupted else ''}: "
            f"{res.seconds:.1f}s, {len(res.workers)} workers, {res.config.num_blocks:,} "
            f"blocks per pool x {len(res.pools) or 1} pool(s)",
-           f"  requests          {t('finished'):,} finished, {t('aborted'):,} aborted at the "
-           f"deadline ({t('finished') / secs:,.1f}/s)",
+           f"  requests          {t('finished'):,} finished ({t('finished') / secs:,.1f}/s), "
+           f"{t('aborted'):,} aborted at the deadline"
+           + (f", {t('rejected'):,} rejected (longer than the model or the pool)"
+              if t("rejected") else ""),
            f"  tokens            {prompt:,} prompt, {t('generated_tokens'):,} generated; "
            f"{t('computed_tokens'):,} computed ({t('computed_tokens') / secs:,.0f} tok/s)",
            f"  prefix cache      hit rate {_pct(hit, prompt)}: {hit:,} prompt tokens not "
