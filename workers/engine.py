@@ -52,7 +52,7 @@ def check_supported(config: PoolConfig) -> None:
 @dataclass
 class EngineOptions:
     token_budget: int = 512          # tokens scheduled per step
-    max_running: int = 32
+    max_running: int = 16
     verify_hits: float = 1.0          # fraction of hit blocks whose K/V are checked
     check_decode: float = 0.02        # fraction of decode steps checked against a recompute
     seed: int = 0                     # model weights (all workers of a pool must agree)

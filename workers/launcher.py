@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass, field
 
 from kvshm.core.specs import PoolConfig
+from kvshm.service.process import die_with_parent
 from workers.topology import (
     Node,
     Plan,
@@ -148,7 +149,7 @@ class Launch:
             cfg = cfg.replace(num_blocks=(cfg.num_blocks - 1) // n + 1).validate()
         self.config = cfg
         for _ in range(n):
-            proc = CoordinatorProcess(cfg, new_session=True)
+            proc = CoordinatorProcess(cfg, new_session=True, with_parent=True)
             self.coordinators.append(proc)
             proc.wait_ready()
             if opts.pin and self.plan.coordinator_cpus:
@@ -211,7 +212,7 @@ class Launch:
             args += ["--cpus", format_cpulist(node.cpus)]
         return await asyncio.create_subprocess_exec(
             *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env,
-            start_new_session=True, limit=2**26)
+            start_new_session=True, limit=2**26, preexec_fn=die_with_parent)
 
     async def watch(self, i: int, proc: asyncio.subprocess.Process) -> None:
         res = self.results[i]
@@ -252,7 +253,8 @@ class Launch:
         loop.add_signal_handler(signal.SIGTERM, self.interrupted.set)
         t0 = time.monotonic()
         try:
-            await asyncio.to_thread(self.start_coordinators)
+            # From this thread: children die with the thread that started them.
+            self.start_coordinators()
             if self.config is None:   # joined a coordinator: learn its pool
                 from kvshm.service.client import connect
                 client = await connect(self.sockets[0], **self._hash())

@@ -48,7 +48,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="how requests go to workers (hash keeps a conversation on one)")
     ap.add_argument("--seed", type=int, default=0, help="workload and model seed")
     ap.add_argument("--token-budget", type=int, default=512, help="tokens per scheduler step")
-    ap.add_argument("--max-running", type=int, default=32, help="running requests per worker")
+    ap.add_argument("--max-running", type=int, default=16, help="running requests per worker (16)")
     ap.add_argument("--verify-hits", type=float, default=1.0,
                     help="fraction of prefix-cache hit blocks whose K/V are checked (1.0)")
     ap.add_argument("--check-decode", type=float, default=0.02,

@@ -3,22 +3,39 @@ one: IPC replay, the launcher of `kvshm run`, benchmarks and tests."""
 
 from __future__ import annotations
 
+import ctypes
 import secrets
 import select
+import signal
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """For `preexec_fn`: the child gets SIGTERM when the parent dies, even by
+    SIGKILL, so a coordinator or worker is never orphaned with its segments
+    (Linux; a no-op elsewhere).  The signal follows the *thread* that
+    started the child: start children from a thread that outlives them."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
 
 
 class CoordinatorProcess:
     """A `kvshm serve` child process on a private socket; a context manager
     that stops it (SIGTERM) and waits for it.  `new_session` keeps it out of
     the terminal's process group, so Ctrl-C reaches only the parent, which
-    decides the order of shutdown."""
+    decides the order of shutdown; `with_parent` stops it (SIGTERM: a clean
+    shutdown that unlinks its segments) if the parent dies."""
 
     def __init__(self, config, *, name: str | None = None, extra_args: tuple = (),
-                 new_session: bool = False) -> None:
+                 new_session: bool = False, with_parent: bool = False) -> None:
         self._dir = tempfile.TemporaryDirectory(prefix="kvshm-")
         d = Path(self._dir.name)
         self.name = name or f"kvshm-{secrets.token_hex(5)}"
@@ -33,7 +50,8 @@ class CoordinatorProcess:
             [sys.executable, "-m", "kvshm", "serve", "--config", str(cfg_path),
              "--name", self.name, "--socket", str(self.socket), "--quiet", *extra_args],
             stdout=subprocess.PIPE, stderr=self._stderr, text=True,
-            start_new_session=new_session)
+            start_new_session=new_session,
+            preexec_fn=die_with_parent if with_parent else None)
 
     @property
     def stderr(self) -> str:
