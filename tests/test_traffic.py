@@ -327,3 +327,16 @@ def test_load_bad_arguments_and_missing_file(tmp_path):
         load_jsonl(p, default_output_len=-1)
     with pytest.raises(FileNotFoundError):
         load_jsonl(tmp_path / "nope.jsonl")
+
+
+def test_fit_scales_lengths_to_a_short_model():
+    spec = SyntheticSpec().fit(2048).validate()
+    assert spec.max_len == 2048
+    assert spec.system_len[1] + spec.user_len[1] + spec.output_len[1] <= 2048
+    items = take(300, spec)
+    assert all(len(it.prompt) + len(it.output) <= 2048 for it in items)
+    roomy = SyntheticSpec().fit(8192)
+    assert (roomy.system_len, roomy.user_len, roomy.output_len, roomy.max_len) == (
+        SyntheticSpec().system_len, SyntheticSpec().user_len, SyntheticSpec().output_len, 8192)
+    with pytest.raises(ValueError, match="max_len 10 is too short"):
+        SyntheticSpec().fit(10)

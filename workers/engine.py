@@ -151,7 +151,8 @@ class Engine:
             if hard_deadline is not None and time.monotonic() >= hard_deadline:
                 await self._abort_all()
                 break
-            open_for_new = not exhausted and time.monotonic() < deadline
+            past = time.monotonic() >= deadline
+            open_for_new = not exhausted and not past
             # Keep enough arrivals queued to fill a step.
             while open_for_new and len(self.waiting) < self.opts.max_running:
                 item = next(source, None)
@@ -162,7 +163,7 @@ class Engine:
                     self.waiting.append(Seq(item))
                 else:
                     self.stats.rejected += 1
-            if not open_for_new and self.waiting:
+            if past and self.waiting:
                 self.stats.aborted += sum(1 for s in self.waiting if s.added)
                 # Waiting requests that were never admitted are dropped; any that
                 # were preempted still own a coordinator entry: forget it.
@@ -185,7 +186,12 @@ class Engine:
         total = len(item.prompt) + len(item.output)
         if total > self.config.max_model_len:
             return False
-        need = sum(-(-total // bs) for _, bs, _ in self.groups)
+        need = 0
+        for _, bs, window in self.groups:
+            blocks = -(-total // bs)
+            if window is not None:   # only the window's blocks (+1 partial) are held
+                blocks = min(blocks, -(-window // bs) + 1)
+            need += blocks
         return need <= self.config.num_blocks - 1
 
     async def step(self) -> bool:
@@ -216,9 +222,12 @@ class Engine:
                 failed.append(seq)
             else:
                 self._extend(seq, res.new_block_ids)
+        refused = []
         for seq, i in admits:
             self.num_free_blocks = results[i].num_free_blocks
-            self._admitted(seq, results[i])
+            if not self._admitted(seq, results[i]):
+                refused.append(seq)
+        self.waiting.extendleft(reversed(refused))   # FCFS: first in line next step
         if failed:
             await self._preempt(failed)
         return self._compute()
@@ -273,10 +282,10 @@ class Engine:
         for table, ids in zip(seq.tables, new_ids):
             table.extend(ids)
 
-    def _admitted(self, seq: Seq, res: p.Admitted) -> None:
+    def _admitted(self, seq: Seq, res: p.Admitted) -> bool:
+        """Start a request that `Admit` allocated; False if it was refused."""
         if res.new_block_ids is None:
-            self.waiting.appendleft(seq)   # FCFS: first in line next step
-            return
+            return False
         st = self.stats
         seq.tables = [list(h) + list(n) for h, n in zip(res.hit_block_ids, res.new_block_ids)]
         seq.num_computed = res.num_computed_tokens
@@ -290,6 +299,7 @@ class Engine:
         else:
             seq.ctx = self.model.context([])
         self.running.append(seq)
+        return True
 
     async def _preempt(self, failed: list[Seq]) -> None:
         """Preempt the newest running requests until every request in

@@ -101,8 +101,12 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
             kv_memory=parse_size(args.kv_memory or DEFAULT_KV_MEMORY)
             if not args.num_blocks else None)
     if args.workload == "synthetic":
+        import dataclasses
+
+        from workers.traffic import SyntheticSpec
         max_len = config.max_model_len if config else 4096
-        workload = {"kind": "synthetic", "spec": {"seed": args.seed, "max_len": max_len}}
+        spec = SyntheticSpec(seed=args.seed).fit(max_len).validate()
+        workload = {"kind": "synthetic", "spec": dataclasses.asdict(spec)}
     else:
         path = Path(args.workload)
         if not path.is_file():
@@ -139,7 +143,11 @@ def run(args: argparse.Namespace) -> int:
         "isolated" if args.isolated else "shared"]
     results: list[RunResult] = []
     for mode in modes:
-        res = run_async(launch(opts, mode, cpu_plan))
+        try:
+            res = run_async(launch(opts, mode, cpu_plan))
+        except KvshmError as e:   # e.g. nothing listens at --connect
+            print(f"kvshm run: {e}", file=sys.stderr)
+            return 2
         results.append(res)
         print(summary(res), flush=True)
         if res.interrupted:

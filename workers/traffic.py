@@ -9,6 +9,8 @@ the whole stream and keep its share (`assign`) without talking to the others.
 
 from __future__ import annotations
 
+import dataclasses
+
 import hashlib
 import json
 import math
@@ -58,6 +60,29 @@ class SyntheticSpec:
     max_turns: int = 8
     max_len: int = 4096                         # prompt + output of every item
     open_conversations: int = 8                 # interleaved at any time
+
+    def fit(self, max_len: int) -> SyntheticSpec:
+        """This spec for a model of `max_len` tokens: lengths (ranges and
+        medians) scaled down in proportion when the longest first turn
+        would not fit, unchanged otherwise.  Raises ValueError below 64."""
+        if max_len < 64:
+            raise ValueError(f"max_len {max_len} is too short for chat traffic (>= 64)")
+        longest = ((self.system_len[1] if self.share_system > 0 else 0)
+                   + self.user_len[1] + self.output_len[1])
+        if longest <= max_len:
+            return dataclasses.replace(self, max_len=max_len)
+        f = max_len / longest
+
+        def scaled(lo_hi, lo_min):
+            lo, hi = lo_hi
+            hi = max(lo_min, int(hi * f))
+            return (min(max(lo_min, int(lo * f)), hi), hi)
+
+        return dataclasses.replace(
+            self, max_len=max_len, system_len=scaled(self.system_len, 1),
+            user_len=scaled(self.user_len, 1), output_len=scaled(self.output_len, 1),
+            user_median=max(1.0, self.user_median * f),
+            output_median=max(1.0, self.output_median * f))
 
     def validate(self) -> SyntheticSpec:
         """Check the fields.

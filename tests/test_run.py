@@ -1,0 +1,307 @@
+"""`kvshm run` end to end, as subprocesses: a shared run, a killed worker,
+shared vs isolated, a JSONL workload, joining a running coordinator, bad
+arguments, Ctrl-C, and `python -m workers`."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from kvshm.core.segment import SHM_DIR, segment_info
+from kvshm.service.presets import preset_config
+from kvshm.service.process import CoordinatorProcess
+
+RUN = [sys.executable, "-m", "kvshm", "run"]
+LIGHT = ["--kv-memory", "32M", "--quiet"]     # 1,024 blocks of the tiny preset
+TIMEOUT = 120
+
+
+def kvshm_segments() -> set[str]:
+    try:
+        return {n for n in os.listdir(SHM_DIR) if n.startswith("kvshm")}
+    except OSError:
+        return set()
+
+
+def leftovers(before: set[str]) -> list[str]:
+    """kvshm segments that appeared since `before` and whose owner is gone
+    (a live owner is another program on this shared host)."""
+    out = []
+    for name in sorted(kvshm_segments() - before):
+        info = segment_info(name)
+        if info is None or not info["alive"]:
+            out.append(name)
+    return out
+
+
+def run(*args: str, cmd=RUN, timeout: float = TIMEOUT) -> subprocess.CompletedProcess:
+    return subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=timeout)
+
+
+def results(path: Path) -> list[dict]:
+    return json.loads(path.read_text())["runs"]
+
+
+def worker_alive(pid: int) -> bool:
+    """Whether `pid` is still one of our worker processes (not a reused pid)."""
+    try:
+        return "workers.worker" in " ".join(psutil.Process(pid).cmdline())
+    except psutil.Error:
+        return False
+
+
+def assert_pool_whole(pool: dict) -> None:
+    assert pool["check_clean"], pool["problems"]
+    assert pool["num_requests"] == 0
+    assert pool["num_free_blocks"] == pool["num_blocks"] - 1
+
+
+def assert_ran_cleanly(proc: subprocess.CompletedProcess, before: set[str], runs) -> None:
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert not leftovers(before)
+    for r in runs:
+        for pool in r["pools"]:   # the coordinator's private socket directory is gone
+            assert not Path(pool["socket"]).parent.exists()
+        for w in r["workers"]:
+            assert not worker_alive(w["pid"])
+
+
+# -- runs -----------------------------------------------------------------------------------------
+def test_shared_run(tmp_path):
+    before = kvshm_segments()
+    out = tmp_path / "out.json"
+    proc = run("--workers", "2", "--duration", "3", "--grace", "2", "--json", str(out), *LIGHT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for line in ("prefix cache", "integrity", "pool after run"):
+        assert line in proc.stdout
+    [res] = results(out)
+    assert res["mode"] == "shared" and not res["interrupted"]
+    assert res["num_blocks"] == 1024
+    assert res["requests"] > 0 and res["prompt_tokens"] > 0
+    assert res["hit_mismatches"] == 0 and res["decode_mismatches"] == 0
+    assert res["hit_blocks_checked"] > 0
+    assert res["cross_hit_tokens"] > 0
+    [pool] = res["pools"]
+    assert pool["num_blocks"] == 1024
+    assert_pool_whole(pool)
+
+    allowed = os.sched_getaffinity(0)
+    workers = res["workers"]
+    assert [w["index"] for w in workers] == [0, 1]
+    for w in workers:
+        assert w["status"] == "done", w
+        assert w["integrity_failures"] == 0
+        assert w["cpus"] and set(w["cpus"]) <= allowed
+        assert w["affinity"] == w["cpus"]          # each worker really is pinned there
+    assert workers[0]["pid"] != workers[1]["pid"]
+    assert workers[0]["session"] != workers[1]["session"]
+    if len(allowed) >= len(workers):
+        assert not set(workers[0]["cpus"]) & set(workers[1]["cpus"])
+    assert_ran_cleanly(proc, before, [res])
+
+
+def test_a_killed_worker_gives_every_block_back(tmp_path):
+    before = kvshm_segments()
+    out = tmp_path / "out.json"
+    proc = run("--kill-worker", "1", "--kill-after", "1.5", "--duration", "4", "--grace", "2",
+               "--json", str(out), *LIGHT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    [res] = results(out)
+    assert [w["status"] for w in res["workers"]] == ["done", "killed"]
+    assert "SIGKILL" in res["workers"][1]["message"]
+    [pool] = res["pools"]
+    assert_pool_whole(pool)
+    assert pool["num_sessions"] == 1      # only the client that took this report
+    assert "every block is back in the pool" in proc.stdout
+    assert_ran_cleanly(proc, before, [res])
+
+
+def test_compare_shared_and_isolated(tmp_path):
+    before = kvshm_segments()
+    out = tmp_path / "out.json"
+    proc = run("--compare", "--duration", "2", "--grace", "1", "--json", str(out), *LIGHT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "shared vs isolated" in proc.stdout
+    shared, isolated = results(out)
+    assert (shared["mode"], isolated["mode"]) == ("shared", "isolated")
+    assert len(shared["pools"]) == 1 and len(isolated["pools"]) == 2
+    assert isolated["cross_hit_tokens"] == 0
+    assert shared["cross_hit_tokens"] > 0
+    # The same total: each isolated pool has half the usable blocks.
+    assert [p["num_blocks"] for p in isolated["pools"]] == [512, 512]
+    assert len({p["socket"] for p in isolated["pools"]}) == 2
+    for r in (shared, isolated):
+        assert r["requests"] > 0
+        assert r["hit_mismatches"] == 0 and r["decode_mismatches"] == 0
+        for pool in r["pools"]:
+            assert_pool_whole(pool)
+    assert_ran_cleanly(proc, before, [shared, isolated])
+
+
+def test_jsonl_workload(tmp_path):
+    rng = random.Random(5)
+    ids = [rng.randrange(32000) for _ in range(64)]
+    words = [f"word{i}" for i in range(40)]
+    path = tmp_path / "prompts.jsonl"
+    lines = [{"prompt_ids": ids + [rng.randrange(32000) for _ in range(20 + i)],
+              "output_len": 4} for i in range(4)]
+    lines += [{"prompt": " ".join(words + [f"tail{i}-{j}" for j in range(10)]),
+               "output_len": 4} for i in range(4)]
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    before = kvshm_segments()
+    out = tmp_path / "out.json"
+    # One request at a time per worker: the later lines hit the earlier ones'
+    # prefixes (the finite-workload bug of test_workers does not bite either).
+    proc = run("--workload", str(path), "--max-running", "1", "--duration", "20",
+               "--grace", "2", "--json", str(out), *LIGHT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    [res] = results(out)
+    assert res["requests"] == len(lines)
+    assert res["hit_tokens"] > 0 and res["hit_blocks_checked"] > 0
+    assert res["hit_mismatches"] == 0 and res["decode_mismatches"] == 0
+    assert all(w["status"] == "done" for w in res["workers"])
+    assert_pool_whole(res["pools"][0])
+    assert_ran_cleanly(proc, before, [res])
+
+
+def test_connect_to_a_running_coordinator(tmp_path):
+    before = kvshm_segments()
+    out = tmp_path / "out.json"
+    with CoordinatorProcess(preset_config("tiny", num_blocks=2048)) as coord:
+        proc = run("--connect", str(coord.socket), "--duration", "2", "--grace", "1",
+                   "--quiet", "--json", str(out))
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert coord.proc.poll() is None        # a joined coordinator is left running
+        [res] = results(out)
+        assert res["num_blocks"] == 2048 and res["requests"] > 0
+        [pool] = res["pools"]
+        assert pool["socket"] == str(coord.socket)
+        assert_pool_whole(pool)
+        assert res["hit_mismatches"] == 0 and res["decode_mismatches"] == 0
+        assert "Traceback" not in proc.stderr
+        assert all(not worker_alive(w["pid"]) for w in res["workers"])
+    assert not leftovers(before)
+
+
+# -- refusals -------------------------------------------------------------------------------------
+NO_KV_CONFIG = ('num_blocks = 64\nhash_block_size = 16\nmax_model_len = 4096\n'
+                'groups = [{type = "full", block_size = 16}]\n')
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--workers", "0"], r"--workers must be at least 1"),
+    (["--workers", "2", "--kill-worker", "5"], r"--kill-worker must be .* in \[0, 2\)"),
+    (["--verify-hits", "2"], r"--verify-hits must be within \[0, 1\]"),
+    (["--workload", "/nonexistent"], r"/nonexistent is not a file"),
+    (["--workload", "{bad_jsonl}"], r"bad\.jsonl:2: invalid JSON"),
+    (["--config", "{no_kv}"], r"no_kv\.toml has no \[kv\] shape"),
+    (["--connect", "{sockdir}/pool.sock", "--isolated"], r"not with --connect"),
+    (["--connect", "{sockdir}/nobody.sock"], r"no coordinator listening at .*nobody\.sock"),
+    (["--preset", "jamba-hybrid"], r"group 1 is MambaSpec"),
+    (["--preset", "whisper-encdec"], r"group 1 is CrossAttentionSpec"),
+    (["--kv-memory", "1K"], r"at least 2 are needed"),
+], ids=["workers-0", "kill-worker", "verify-hits", "no-workload", "bad-jsonl", "no-kv",
+        "connect-isolated", "connect-nobody", "mamba", "encoder-decoder", "tiny-memory"])
+def test_bad_arguments_exit_2(tmp_path, sockdir, args, message):
+    (tmp_path / "no_kv.toml").write_text(NO_KV_CONFIG)
+    (tmp_path / "bad.jsonl").write_text('{"prompt_ids": [1, 2, 3]}\n{"prompt_ids": [1,\n')
+    args = [a.format(no_kv=tmp_path / "no_kv.toml", bad_jsonl=tmp_path / "bad.jsonl",
+                     sockdir=sockdir) for a in args]
+    before = kvshm_segments()
+    proc = run(*args, "--duration", "2", "--quiet", timeout=60)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert re.search(message, proc.stderr), proc.stderr
+    assert proc.stderr.startswith("kvshm run: ") and "Traceback" not in proc.stderr
+    assert "== shared pool" not in proc.stdout       # nothing ran
+    assert not leftovers(before)
+
+
+def test_python_m_workers_reports_a_dead_socket_like_kvshm_run(sockdir):
+    proc = run("--connect", str(sockdir / "nobody.sock"), "--duration", "2", "--quiet",
+               cmd=[sys.executable, "-m", "workers"], timeout=60)
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert proc.returncode == 2
+    assert re.search(r"no coordinator listening at .*nobody\.sock", proc.stderr)
+
+
+def test_synthetic_workload_on_a_short_context_pool(tmp_path):
+    path = tmp_path / "short.toml"
+    path.write_text(NO_KV_CONFIG.replace("4096", "2048")
+                    + '[kv]\nnum_layers = 2\nnum_kv_heads = 2\nhead_size = 16\n')
+    before = kvshm_segments()
+    proc = run("--config", str(path), "--duration", "1", "--grace", "1", "--quiet")
+    # The synthetic workload is scaled down to fit the model.
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "== shared pool" in proc.stdout
+    assert not leftovers(before)
+
+
+# -- Ctrl-C ---------------------------------------------------------------------------------------
+def test_ctrl_c_stops_everything(tmp_path):
+    before = kvshm_segments()
+    out = tmp_path / "out.json"
+    proc = subprocess.Popen([*RUN, "--duration", "30", "--grace", "2", "--json", str(out), *LIGHT],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    children: list[psutil.Process] = []
+    try:
+        header = []
+        while "placement:" not in header:
+            line = proc.stdout.readline()
+            assert line, f"exited before the header: {proc.wait()} {proc.stderr.read()}"
+            header.append(line.strip())
+        me = psutil.Process(proc.pid)
+        deadline = time.monotonic() + 30
+        while True:   # the coordinator and both workers are up
+            children = me.children(recursive=True)
+            cmds = [cmdline(c) for c in children]
+            if sum("workers.worker" in c for c in cmds) == 2 and any(" serve " in c for c in cmds):
+                break
+            assert proc.poll() is None and time.monotonic() < deadline, cmds
+            time.sleep(0.1)
+        time.sleep(1.5)
+        proc.send_signal(signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=20)
+        assert proc.returncode == 130, stdout + stderr
+        _, alive = psutil.wait_procs(children, timeout=5)
+        assert not alive, alive
+        assert "Traceback" not in stderr, stderr
+        [res] = results(out)
+        assert res["interrupted"]
+        assert {w["status"] for w in res["workers"]} <= {"interrupted", "done"}
+        assert {w["pid"] for w in res["workers"]} <= {c.pid for c in children}
+        assert not leftovers(before)
+    finally:   # only if something above failed: stop what this test started
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for child in children:
+            try:
+                child.kill()     # psutil checks it is still the same process
+            except psutil.Error:
+                pass
+        proc.stdout.close()
+        proc.stderr.close()
+
+
+def cmdline(p: psutil.Process) -> str:
+    try:
+        return " ".join(p.cmdline())
+    except psutil.Error:
+        return ""
+
+
+def test_python_m_workers_help():
+    proc = run("--help", cmd=[sys.executable, "-m", "workers"], timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    for option in ("--isolated", "--compare", "--kill-worker", "--workload", "--connect"):
+        assert option in proc.stdout

@@ -1,0 +1,347 @@
+"""The CPU worker's engine in process, against in-process coordinators:
+concurrent engines sharing a pool, detection of corrupted K/V, preemption,
+sliding-window groups, half-precision arenas, refused pools, deadlines and
+the writer stamps of the arena."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import random
+import re
+import time
+
+import numpy as np
+import pytest
+
+from helpers import make_config
+from kvshm.core.check import check_segment
+from kvshm.core.errors import SegmentError
+from kvshm.core.specs import FullSpec, KVShape, MambaSpec, SlidingWindowSpec
+from kvshm.service.client import connect
+from workers.engine import Engine, EngineOptions, UnsupportedModel, check_supported
+from workers.traffic import Item, SyntheticSpec, assign, synthetic
+
+BS = 16
+SHAPE = KVShape(num_layers=2, num_kv_heads=2, head_size=16, dtype="float32")
+RUN_FOR = 60.0   # deadline for finite workloads: they end when their items are done
+
+
+def kv_config(groups=(FullSpec(BS),), num_blocks: int = 256, kv: KVShape = SHAPE, **changes):
+    return make_config(tuple(groups), num_blocks=num_blocks, hash_block_size=BS,
+                       max_model_len=2048, kv=kv, **changes)
+
+
+# A small chat workload: shared system prompts, multi-turn conversations.
+SMALL_SPEC = SyntheticSpec(seed=3, num_system_prompts=2, system_len=(48, 96),
+                           share_system=1.0, user_len=(4, 48), user_median=16.0,
+                           output_len=(2, 24), output_median=8.0, mean_turns=3.0,
+                           max_turns=4, max_len=2048, open_conversations=4)
+
+
+def toks(n: int, seed: int) -> tuple[int, ...]:
+    rng = random.Random(seed)
+    return tuple(rng.randrange(32000) for _ in range(n))
+
+
+class Worker:
+    """A connected client, its mapped arena and an engine over them."""
+
+    def __init__(self, client, arena, engine: Engine) -> None:
+        self.client = client
+        self.arena = arena
+        self.engine = engine
+        self.stats = engine.stats
+
+    async def run(self, items, deadline: float | None = None, **kw):
+        deadline = time.monotonic() + RUN_FOR if deadline is None else deadline
+        return await asyncio.wait_for(self.engine.run(items, deadline, **kw), RUN_FOR + 30)
+
+    async def close(self) -> None:
+        if self.client is None:
+            return
+        self.engine = None        # its numpy views keep the arena mapped
+        try:
+            self.arena.close()
+        except SegmentError:
+            # Views still alive: only after a failure, whose traceback holds
+            # the engine's frames.  The mapping goes with this process.
+            pass
+        finally:
+            await self.client.close()
+            self.client = None
+
+
+@pytest.fixture
+async def open_worker(coordinator):
+    """open_worker(coord, **EngineOptions fields) -> Worker; closed at teardown
+    (before the coordinators stop)."""
+    opened: list[Worker] = []
+
+    async def make(coord, **opts) -> Worker:
+        client = await connect(coord.socket_path)
+        try:
+            arena = client.attach_arena()
+        except BaseException:
+            await client.close()
+            raise
+        w = Worker(client, arena, Engine(client, arena, client.config, EngineOptions(**opts)))
+        opened.append(w)
+        return w
+
+    yield make
+    for w in opened:
+        await w.close()
+
+
+def assert_pool_whole(coord) -> None:
+    """No request left and every block free (cached ones count as free)."""
+    pool = coord.mgr.block_pool
+    assert not coord.requests and len(coord.mgr.table) == 0
+    assert pool.num_free_blocks == coord.config.num_blocks - 1
+    report = check_segment(coord.mgr.segment, pool)
+    assert report.clean, report.problems
+
+
+def assert_no_mismatch(*stats) -> None:
+    for st in stats:
+        assert st.hit_mismatches == 0 and st.decode_mismatches == 0, st.first_error
+        assert st.first_error == ""
+
+
+async def cached_prefix_blocks(client, tokens, rid: str) -> list[int]:
+    """Block ids (group 0) the pool would serve as prefix-cache hits for
+    `tokens`, looked up by a throwaway request that allocates nothing."""
+    await client.add_request(rid, list(tokens))
+    try:
+        blocks, n = await client.get_computed_blocks(rid)
+    finally:
+        await client.free(rid)
+    return list(blocks[0][:n // BS])
+
+
+# -- sharing -------------------------------------------------------------------------------------
+async def test_two_engines_share_one_pool_without_mismatches(coordinator, open_worker):
+    coord = await coordinator(kv_config(num_blocks=512))
+    items = list(itertools.islice(synthetic(SMALL_SPEC), 40))
+    shares = [list(assign(items, i, 2)) for i in range(2)]
+    # One request at a time per engine: each share is served to its end
+    # (see test_a_finite_workload_is_served_to_the_end for why that matters).
+    a = await open_worker(coord, check_decode=1.0, max_running=1)
+    b = await open_worker(coord, check_decode=1.0, max_running=1)
+    assert a.client.session_id != b.client.session_id
+    await asyncio.gather(a.run(shares[0]), b.run(shares[1]))
+    assert_no_mismatch(a.stats, b.stats)
+    for w, share in ((a, shares[0]), (b, shares[1])):
+        assert w.stats.finished == len(share) and w.stats.aborted == 0
+        assert w.stats.prompt_tokens == sum(len(it.prompt) for it in share)
+        assert w.stats.generated_tokens == sum(len(it.output) for it in share)
+        assert w.stats.cross_hit_tokens <= w.stats.hit_tokens <= w.stats.prompt_tokens
+    assert a.stats.hit_blocks_checked + b.stats.hit_blocks_checked > 0
+    assert a.stats.decode_checks + b.stats.decode_checks > 0
+    assert a.stats.cross_hit_tokens + b.stats.cross_hit_tokens > 0
+    assert_pool_whole(coord)   # checked while both sessions still live
+
+
+async def test_many_concurrent_requests_per_engine(coordinator, open_worker):
+    """The way `kvshm run` drives engines: an endless stream, a deadline,
+    up to 32 requests running in each engine."""
+    coord = await coordinator(kv_config(num_blocks=512))
+    a = await open_worker(coord, check_decode=0.5)
+    b = await open_worker(coord, check_decode=0.5, sample_seed=1)
+    deadline = time.monotonic() + 1.0
+    await asyncio.gather(a.run(assign(synthetic(SMALL_SPEC), 0, 2), deadline),
+                         b.run(assign(synthetic(SMALL_SPEC), 1, 2), deadline))
+    assert_no_mismatch(a.stats, b.stats)
+    assert a.stats.finished > 0 and b.stats.finished > 0
+    assert a.stats.hit_blocks_checked + b.stats.hit_blocks_checked > 0
+    assert a.stats.cross_hit_tokens + b.stats.cross_hit_tokens > 0
+    assert_pool_whole(coord)
+
+
+# -- integrity -----------------------------------------------------------------------------------
+async def test_a_corrupted_cached_block_is_detected(coordinator, open_worker):
+    coord = await coordinator(kv_config())
+    prefix = toks(4 * BS, seed=1)
+    a = await open_worker(coord)
+    await a.run([Item("a0", prefix + toks(20, seed=2), toks(5, seed=3), "a", 0)])
+    assert_no_mismatch(a.stats)
+    hits = await cached_prefix_blocks(a.client, prefix + (7,), "probe-a")
+    assert len(hits) == 4 and all(a.arena.writer[hits] == a.client.session_id)
+
+    b = await open_worker(coord)
+    bad = hits[1]
+    original = b.arena.kv[bad].copy()
+    b.arena.kv[bad, 1, 1, 5, 0, 3] += 1.0      # one V element of layer 1, slot 5
+    await b.run([Item("b0", prefix + toks(30, seed=4), toks(3, seed=5), "b", 0)])
+    assert b.stats.hit_mismatches == 1
+    assert b.stats.hit_blocks_checked == 4
+    assert b.stats.cross_hit_tokens == 4 * BS           # all four hits are a's blocks
+    assert re.search(rf"\b{bad}\b", b.stats.first_error), b.stats.first_error
+    assert b.stats.finished == 1 and b.stats.decode_mismatches == 0
+
+    b.arena.kv[bad] = original
+    c = await open_worker(coord)
+    await c.run([Item("c0", prefix + toks(25, seed=6), toks(3, seed=7), "c", 0)])
+    assert_no_mismatch(c.stats)
+    assert c.stats.hit_blocks_checked == 4
+    assert_pool_whole(coord)
+
+
+# -- scheduling ----------------------------------------------------------------------------------
+def endless(tag: str, prompt_len: int, output_len: int, prefix: tuple[int, ...] = ()):
+    """Distinct requests of one shape, forever."""
+    for i in itertools.count():
+        yield Item(f"{tag}-{i}", prefix + toks(prompt_len, seed=f"{tag}-p{i}"),
+                   toks(output_len, seed=f"{tag}-o{i}"), f"{tag}-{i}", 0)
+
+
+async def test_preemption_under_a_small_pool(coordinator, open_worker):
+    # 23 usable blocks; each request grows to 5 (40 prompt + 40 output
+    # tokens), and one engine alone admits 7 of them: decode must preempt
+    # (after the deadline too: admitted requests run to their end).
+    coord = await coordinator(kv_config(num_blocks=24))
+    a = await open_worker(coord, max_running=16, check_decode=1.0)
+    b = await open_worker(coord, max_running=16, check_decode=1.0)
+    deadline = time.monotonic() + 1.0
+    await asyncio.gather(a.run(endless("a", 40, 40), deadline),
+                         b.run(endless("b", 40, 40), deadline))
+    assert a.stats.preemptions + b.stats.preemptions > 0
+    assert_no_mismatch(a.stats, b.stats)
+    assert a.stats.finished + b.stats.finished > 0
+    for w in (a, b):
+        assert w.stats.generated_tokens >= 40 * w.stats.finished
+        assert w.stats.rejected == 0
+    assert a.stats.decode_checks + b.stats.decode_checks > 0
+    assert_pool_whole(coord)
+
+
+async def test_a_finite_workload_is_served_to_the_end(coordinator, open_worker):
+    # Two requests fit a step's budget; the other four wait, and preempted
+    # ones wait again: all six must still run to their end before the deadline.
+    coord = await coordinator(kv_config(num_blocks=24))
+    items = [Item(f"r{i}", toks(40, seed=i), toks(40, seed=50 + i), f"r{i}", 0)
+             for i in range(6)]
+    a = await open_worker(coord, token_budget=64)
+    stats = await a.run(items, deadline=time.monotonic() + RUN_FOR)
+    assert_no_mismatch(stats)
+    assert (stats.finished, stats.aborted, stats.rejected) == (6, 0, 0)
+    assert stats.generated_tokens == 6 * 40
+    assert_pool_whole(coord)
+
+
+async def test_sliding_window_blocks_are_dropped_and_stay_correct(coordinator, open_worker):
+    coord = await coordinator(kv_config((FullSpec(BS), SlidingWindowSpec(BS, 64)),
+                                        num_blocks=256))
+    prefix = toks(10 * BS, seed=11)
+    items = [Item(f"h{i}", prefix + toks(40 + 3 * i, seed=20 + i), toks(24, seed=40 + i),
+                  f"h{i}", 0) for i in range(8)]
+    # Small budgets: prefills run in chunks, so windows slide during prefill
+    # too; one request at a time per engine, so later ones hit earlier ones.
+    a = await open_worker(coord, check_decode=1.0, token_budget=48, max_running=1)
+    b = await open_worker(coord, check_decode=1.0, token_budget=48, max_running=1)
+    dropped = []
+
+    def watch(worker):
+        def on_step(_stats) -> None:
+            for seq in worker.engine.running:
+                if 0 in list(coord.mgr.get_block_ids(seq.rid)[1]):
+                    dropped.append(seq.rid)
+        return on_step
+
+    await asyncio.gather(a.run(items[0::2], on_step=watch(a)),
+                         b.run(items[1::2], on_step=watch(b)))
+    assert dropped, "no sliding-window block was ever dropped: the test lost its point"
+    assert_no_mismatch(a.stats, b.stats)
+    assert a.stats.finished == b.stats.finished == 4
+    assert a.stats.decode_checks + b.stats.decode_checks > 0
+    assert a.stats.hit_blocks_checked + b.stats.hit_blocks_checked > 0
+    assert_pool_whole(coord)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+async def test_half_precision_arenas(coordinator, open_worker, dtype):
+    if dtype == "bfloat16":
+        pytest.importorskip("ml_dtypes")
+    shape = KVShape(num_layers=2, num_kv_heads=2, head_size=16, dtype=dtype)
+    coord = await coordinator(kv_config(kv=shape))
+    prefix = toks(5 * BS, seed=7)
+    a = await open_worker(coord, check_decode=1.0)
+    b = await open_worker(coord, check_decode=1.0)
+    assert a.arena.dtype.name == dtype
+    await a.run([Item(f"{dtype}-a{i}", prefix + toks(10 + i, seed=i), toks(12, seed=30 + i),
+                      f"a{i}", 0) for i in range(3)])
+    await b.run([Item(f"{dtype}-b{i}", prefix + toks(9 + i, seed=60 + i), toks(12, seed=90 + i),
+                      f"b{i}", 0) for i in range(3)])
+    assert_no_mismatch(a.stats, b.stats)
+    assert b.stats.cross_hit_tokens >= 5 * BS and b.stats.hit_blocks_checked >= 5
+    assert a.stats.decode_checks > 0 and b.stats.decode_checks > 0
+    assert_pool_whole(coord)
+
+
+# -- refusals ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("config,message", [
+    (kv_config((FullSpec(BS), MambaSpec(BS))), r"group 1 is MambaSpec"),
+    (kv_config(enable_caching=False), r"prefix caching"),
+    (kv_config(kv=None), r"no kv shape"),
+], ids=["mamba", "no-caching", "no-kv"])
+def test_unsupported_pools_are_refused(config, message):
+    assert issubclass(UnsupportedModel, ValueError)   # `kvshm run` reports ValueErrors
+    with pytest.raises(UnsupportedModel, match=message):
+        check_supported(config)
+    with pytest.raises(UnsupportedModel, match=message):
+        Engine(None, None, config, EngineOptions())   # refused before touching anything
+    check_supported(kv_config((FullSpec(BS), SlidingWindowSpec(BS, 64))))
+
+
+# -- deadlines -----------------------------------------------------------------------------------
+async def test_a_past_deadline_admits_nothing(coordinator, open_worker):
+    coord = await coordinator(kv_config())
+    a = await open_worker(coord)
+    stats = await a.run(synthetic(SMALL_SPEC), deadline=time.monotonic() - 1.0)
+    assert stats.steps == 0 and stats.prompt_tokens == 0 and stats.finished == 0
+    assert_pool_whole(coord)
+
+
+async def test_the_hard_deadline_aborts_an_endless_stream(coordinator, open_worker):
+    coord = await coordinator(kv_config(num_blocks=256))
+    a = await open_worker(coord)
+    # Outputs of 1500+ tokens, one decode step each: requests are still
+    # decoding when the hard deadline comes.
+    spec = SyntheticSpec(seed=5, num_system_prompts=1, system_len=(32, 64), user_len=(8, 32),
+                         output_len=(1500, 1900), output_median=1700.0, max_len=2048)
+    now = time.monotonic()
+    stats = await a.run(synthetic(spec), deadline=now + 0.2, hard_deadline=now + 0.4)
+    assert stats.steps > 0 and stats.aborted > 0
+    assert_no_mismatch(stats)
+    assert_pool_whole(coord)
+
+
+# -- writer stamps -------------------------------------------------------------------------------
+async def test_written_blocks_carry_the_writers_session(coordinator, open_worker):
+    coord = await coordinator(kv_config())
+    prefix = toks(3 * BS, seed=21)
+    a = await open_worker(coord)
+    b = await open_worker(coord)
+    assert (a.arena.writer == 0).all()
+    item_a = Item("a0", prefix + toks(2 * BS, seed=22), toks(BS + 1, seed=23), "a", 0)
+    item_b = Item("b0", prefix + toks(3 * BS, seed=24), toks(BS + 1, seed=25), "b", 0)
+    await a.run([item_a])
+    await b.run([item_b])
+    # Everything each request computed is cached: prompt + output but the last token.
+    full_a = item_a.prompt + item_a.output
+    full_b = item_b.prompt + item_b.output
+    blocks_a = await cached_prefix_blocks(a.client, full_a, "probe-a")
+    blocks_b = await cached_prefix_blocks(b.client, full_b, "probe-b")
+    assert len(blocks_a) == (len(full_a) - 1) // BS == 6
+    assert len(blocks_b) == (len(full_b) - 1) // BS == 7
+    assert blocks_b[:3] == blocks_a[:3]          # b hit a's prefix blocks...
+    writer = a.arena.writer.copy()
+    assert (writer[blocks_a] == a.client.session_id).all()   # ...and did not restamp them
+    assert (writer[blocks_b[3:]] == b.client.session_id).all()
+    assert b.stats.cross_hit_tokens == 3 * BS and a.stats.cross_hit_tokens == 0
+    # Nothing else was written: every stamped block is one of theirs.
+    stamped = set(np.flatnonzero(writer).tolist())
+    assert set(blocks_a) | set(blocks_b) <= stamped
+    assert set(writer[list(stamped)].tolist()) == {a.client.session_id, b.client.session_id}
+    assert_pool_whole(coord)
