@@ -76,6 +76,9 @@ class EngineStats:
     decode_checks: int = 0
     decode_mismatches: int = 0        # paged attention != contiguous recompute
     batch_us: list[int] = field(default_factory=list)   # each step's batch round trip
+    coord_s: float = 0.0              # waiting for the coordinator (every batch)
+    model_s: float = 0.0              # K/V, arena writes, decode attention
+    check_s: float = 0.0              # integrity checks (hit blocks, decode recomputes)
     first_error: str = ""
 
     @property
@@ -213,7 +216,9 @@ class Engine:
         admits = self._admissions(ops, budget, [s for s, _ in allocs])
         t0 = time.perf_counter()
         results = await self.client.batch(ops)
-        st.batch_us.append(int((time.perf_counter() - t0) * 1e6))
+        rtt = time.perf_counter() - t0
+        st.batch_us.append(int(rtt * 1e6))
+        st.coord_s += rtt
         failed = []
         for seq, i in allocs:
             res = results[i]
@@ -319,7 +324,9 @@ class Engine:
             pending = [s for s in pending if s is not victim]
             retry = list(pending)
             ops += [p.AllocateSlots(s.rid, s.scheduled, delay_cache_blocks=True) for s in retry]
+            t0 = time.perf_counter()
             results = await self.client.batch(ops)
+            self.stats.coord_s += time.perf_counter() - t0
             pending = []
             for seq, res in zip(retry, results[2:]):
                 self.num_free_blocks = res.num_free_blocks
@@ -357,6 +364,7 @@ class Engine:
         model = self.model
         still = []
         ran = any(seq.scheduled for seq in self.running)
+        t0, check_before = time.perf_counter(), st.check_s
         for seq in self.running:
             n = seq.scheduled
             if not n:
@@ -386,6 +394,7 @@ class Engine:
             seq.to_advance = True
             still.append(seq)
         self.running = still
+        st.model_s += time.perf_counter() - t0 - (st.check_s - check_before)
         return ran
 
     def _write(self, seq: Seq, start: int, k: np.ndarray, v: np.ndarray) -> None:
@@ -403,12 +412,14 @@ class Engine:
         L = self.num_layers
         q = self.model.query(token, pos, seq.ctx)
         check = self.rng.random() < self.opts.check_decode
-        if check:
-            k_ref, v_ref, _ = self.model.kv(seq.tokens[:pos + 1], 0, self.model.context([]))
         for (g, bs, window), view in zip(self.groups, self.views):
             out = paged_attention(q[g * L:(g + 1) * L], view, seq.tables[g], bs, pos + 1,
                                   window=window)
             if check:
+                t0 = time.perf_counter()
+                if g == 0:
+                    k_ref, v_ref, _ = self.model.kv(seq.tokens[:pos + 1], 0,
+                                                    self.model.context([]))
                 self.stats.decode_checks += 1
                 ref = attention(q[g * L:(g + 1) * L], k_ref[g * L:(g + 1) * L].astype(np.float32),
                                 v_ref[g * L:(g + 1) * L].astype(np.float32), window=window)
@@ -417,26 +428,33 @@ class Engine:
                     self._error(f"{seq.rid}: paged attention at position {pos} (group {g}) "
                                 f"differs from the contiguous recompute by "
                                 f"{float(np.abs(out - ref).max()):.3g}")
+                self.stats.check_s += time.perf_counter() - t0
 
     def _check_hits(self, seq: Seq, num_hit: int) -> None:
         """Recompute the hit tokens' K/V and compare them bitwise with the hit
-        blocks (all, or a sample); count blocks another worker wrote."""
+        blocks (all, or a `verify_hits` sample); count hit tokens in blocks
+        another worker wrote.  Leaves the request's context after its hits."""
+        t0 = time.perf_counter()
         st = self.stats
         L = self.num_layers
-        k, v, ctx = self.model.kv(seq.tokens[:num_hit], 0, self.model.context([]))
-        seq.ctx = ctx
         writer = self.arena.writer
         frac = self.opts.verify_hits
-        for (g, bs, window), view in zip(self.groups, self.views):
+        checks = []
+        for g, bs, _ in self.groups:
             table = seq.tables[g]
-            nblocks = num_hit // bs
-            idx = [i for i in range(nblocks) if table[i] != 0]   # nulls: outside a window
+            idx = [i for i in range(num_hit // bs) if table[i] != 0]   # 0: outside a window
             if g == 0:
                 st.cross_hit_tokens += bs * sum(1 for i in idx if writer[table[i]] != self.tag)
             if frac < 1.0:
                 idx = [i for i in idx if self.rng.random() < frac]
-            if not idx:
-                continue
+            if idx:
+                checks.append((g, bs, idx))
+        seq.ctx = self.model.context(seq.tokens[:num_hit])
+        if checks:   # K/V from scratch up to the last block to check
+            upto = max((idx[-1] + 1) * bs for _, bs, idx in checks)
+            k, v, _ = self.model.kv(seq.tokens[:upto], 0, self.model.context([]))
+        for g, bs, idx in checks:
+            table, view = seq.tables[g], self.views[g]
             st.hit_blocks_checked += len(idx)
             kg, vg = k[g * L:(g + 1) * L], v[g * L:(g + 1) * L]
             bad = [i for i in idx if mismatching_blocks(
@@ -446,6 +464,7 @@ class Engine:
                 self._error(f"{seq.rid}: {len(bad)} prefix-cache hit block(s) hold the "
                             f"wrong K/V (group {g}, block ids "
                             f"{[table[i] for i in bad][:8]})")
+        st.check_s += time.perf_counter() - t0
 
     def _error(self, message: str) -> None:
         if not self.stats.first_error:

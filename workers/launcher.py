@@ -53,7 +53,7 @@ class RunResult:
     pools: list[dict] = field(default_factory=list)   # per coordinator, after the run
     interrupted: bool = False
 
-    def total(self, key: str) -> int:
+    def total(self, key: str):
         return sum(w.stats.get(key, 0) for w in self.workers)
 
     @property
@@ -82,6 +82,8 @@ class RunResult:
             "cross_hit_tokens": self.total("cross_hit_tokens"),
             "computed_tokens": self.total("computed_tokens"),
             "preemptions": self.total("preemptions"),
+            "model_s": self.total("model_s"), "check_s": self.total("check_s"),
+            "coord_s": self.total("coord_s"),
             "hit_blocks_checked": self.total("hit_blocks_checked"),
             "hit_mismatches": self.total("hit_mismatches"),
             "decode_checks": self.total("decode_checks"),

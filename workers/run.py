@@ -203,14 +203,18 @@ def summary(res: RunResult) -> str:
            f"{t('aborted'):,} aborted at the deadline"
            + (f", {t('rejected'):,} rejected (longer than the model or the pool)"
               if t("rejected") else ""),
-           f"  tokens            {prompt:,} prompt, {t('generated_tokens'):,} generated; "
-           f"{t('computed_tokens'):,} computed ({t('computed_tokens') / secs:,.0f} tok/s)",
+           f"  tokens            {prompt:,} prompt ({prompt / secs:,.0f}/s), "
+           f"{t('generated_tokens'):,} generated ({t('generated_tokens') / secs:,.0f}/s); "
+           f"K/V computed for {t('computed_tokens'):,} ({t('computed_tokens') / secs:,.0f}/s)",
            f"  prefix cache      hit rate {_pct(hit, prompt)}: {hit:,} prompt tokens not "
            f"recomputed; {cross:,} of them from blocks another worker wrote "
            f"({_pct(cross, hit)} of hits)",
            f"  allocation        step batch round trip p50 {percentile(lat, 50) or 0:,} us, "
            f"p99 {percentile(lat, 99) or 0:,} us over {len(lat):,} steps",
            f"  preemptions       {t('preemptions'):,}",
+           f"  worker time       model {t('model_s'):,.1f}s, integrity checks "
+           f"{t('check_s'):,.1f}s, waiting for the coordinator {t('coord_s'):,.1f}s "
+           f"(summed over workers)",
            f"  integrity         {t('hit_blocks_checked'):,} hit blocks checked: "
            f"{t('hit_mismatches')} mismatches; {t('decode_checks'):,} decode attention "
            f"checks: {t('decode_mismatches')} mismatches"]
@@ -265,13 +269,23 @@ def comparison(shared: RunResult, isolated: RunResult) -> str:
             f"{isolated.total('cross_hit_tokens'):,}"),
         row("requests finished", f"{shared.total('finished'):,}",
             f"{isolated.total('finished'):,}"),
-        row("computed tok/s", tps(shared, "computed_tokens"), tps(isolated, "computed_tokens")),
+        row("requests/s", f"{shared.total('finished') / max(shared.seconds, 1e-9):,.2f}",
+            f"{isolated.total('finished') / max(isolated.seconds, 1e-9):,.2f}"),
+        row("prompt tok/s served", tps(shared, "prompt_tokens"), tps(isolated, "prompt_tokens")),
         row("generated tok/s", tps(shared, "generated_tokens"),
             tps(isolated, "generated_tokens")),
+        row("K/V computed tok/s", tps(shared, "computed_tokens"),
+            tps(isolated, "computed_tokens")),
         row("step round trip p50 us", lat(shared, 50), lat(isolated, 50)),
         row("step round trip p99 us", lat(shared, 99), lat(isolated, 99)),
         row("preemptions", f"{shared.total('preemptions'):,}",
             f"{isolated.total('preemptions'):,}"),
+        row("worker s: model", f"{shared.total('model_s'):,.1f}",
+            f"{isolated.total('model_s'):,.1f}"),
+        row("worker s: checks", f"{shared.total('check_s'):,.1f}",
+            f"{isolated.total('check_s'):,.1f}"),
+        row("worker s: coordinator", f"{shared.total('coord_s'):,.1f}",
+            f"{isolated.total('coord_s'):,.1f}"),
         row("integrity mismatches", str(shared.integrity_failures),
             str(isolated.integrity_failures)),
     ]
