@@ -34,6 +34,7 @@ from kvshm.core.segment import (
     _HEADER,
     _NAME_RE,
     ARENA_MAGIC,
+    OwnedMapping,
     _Shm,
     check_shm_space,
     config_fingerprint,
@@ -104,7 +105,7 @@ def arena_bytes(config: PoolConfig) -> int:
     return ArenaLayout(config).size if config.kv is not None else 0
 
 
-class KVArena:
+class KVArena(OwnedMapping):
     """An open arena: `kv` (the data, indexed by block id) and `writer`
     views.  `KVArena.create` in the coordinator, `KVArena.attach` elsewhere;
     only the creator unlinks."""
@@ -192,19 +193,6 @@ class KVArena:
         except BufferError:
             raise SegmentError(f"arena {self.name!r}: views of its data are still "
                                "alive; drop them before close()") from None
-
-    def unlink(self) -> None:
-        if not self.owner:
-            raise SegmentError("only the process that created the arena unlinks it")
-        self._shm.unlink()
-
-    def __enter__(self) -> "KVArena":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-        if self.owner:
-            self.unlink()
 
 
 def _write_header(shm: _Shm, layout: ArenaLayout) -> None:

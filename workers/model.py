@@ -123,28 +123,25 @@ def _cast(x: np.ndarray, dtype: np.dtype) -> np.ndarray:
     return f.astype(dtype)
 
 
-def _positive_int(value, name: str) -> int:
+def _int_at_least(value, name: str, minimum: int) -> int:
+    what = "a positive" if minimum == 1 else "a non-negative"
     if isinstance(value, bool):
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
+        raise ValueError(f"{name} must be {what} int, got {value!r}")
     try:
         v = operator.index(value)
     except TypeError:
-        raise ValueError(f"{name} must be a positive int, got {value!r}") from None
-    if v <= 0:
-        raise ValueError(f"{name} must be a positive int, got {v}")
+        raise ValueError(f"{name} must be {what} int, got {value!r}") from None
+    if v < minimum:
+        raise ValueError(f"{name} must be {what} int, got {v}")
     return v
+
+
+def _positive_int(value, name: str) -> int:
+    return _int_at_least(value, name, 1)
 
 
 def _nonneg_int(value, name: str) -> int:
-    if isinstance(value, bool):
-        raise ValueError(f"{name} must be a non-negative int, got {value!r}")
-    try:
-        v = operator.index(value)
-    except TypeError:
-        raise ValueError(f"{name} must be a non-negative int, got {value!r}") from None
-    if v < 0:
-        raise ValueError(f"{name} must be a non-negative int, got {v}")
-    return v
+    return _int_at_least(value, name, 0)
 
 
 def _token_array(tokens) -> np.ndarray:

@@ -151,7 +151,34 @@ _FORMATS = {"ref_cnt": "i", "next_delta": "i", "prev_delta": "i", "free_stamp": 
             "slot_meta": "i", "slot_rid": "B", "slot_counts": "i"}
 
 
-class PoolSegment:
+class OwnedMapping:
+    """Lifecycle shared by the pool segment and the KV arena: only the
+    process that created a segment unlinks it, and leaving a `with` block
+    closes the mapping (and, in the creator, unlinks the segment).
+    Subclasses set `owner` and `_shm` and define `close()`."""
+
+    owner: bool
+    _shm: "_Shm"
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def unlink(self) -> None:
+        """Remove the segment name; only the creator may."""
+        if not self.owner:
+            raise SegmentError("only the process that created a segment unlinks it")
+        self._shm.unlink()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+        if self.owner:
+            self.unlink()
+
+
+class PoolSegment(OwnedMapping):
     """An open pool segment and typed memoryviews over its arrays.
 
     Use `PoolSegment.create(config, name)` in the owning process and
@@ -244,20 +271,6 @@ class PoolSegment:
             v.release()
         self._views.clear()
         self._shm.close()
-
-    def unlink(self) -> None:
-        """Remove the segment name; only the creator may."""
-        if not self.owner:
-            raise SegmentError("only the process that created a segment unlinks it")
-        self._shm.unlink()
-
-    def __enter__(self) -> "PoolSegment":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-        if self.owner:
-            self.unlink()
 
     # -- initial state ---------------------------------------------------------
     def _initialise(self) -> None:
