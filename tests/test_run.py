@@ -77,6 +77,19 @@ def assert_ran_cleanly(proc: subprocess.CompletedProcess, before: set[str], runs
 
 
 # -- runs -----------------------------------------------------------------------------------------
+def test_a_fixed_number_of_requests_is_served_to_the_end(tmp_path):
+    before = kvshm_segments()
+    out = tmp_path / "out.json"
+    proc = run("--requests", "12", "--duration", "100", "--json", str(out), *LIGHT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (shared,) = results(out)
+    served = shared["requests"] + shared["rejected"]
+    assert served == 12 and shared["aborted"] == 0
+    assert sum(w["finished"] for w in shared["workers"]) == shared["requests"]
+    assert shared["seconds"] < 100      # ended when the work was done, not at the cap
+    assert_ran_cleanly(proc, before, [shared])
+
+
 def test_shared_run(tmp_path):
     before = kvshm_segments()
     out = tmp_path / "out.json"
@@ -210,8 +223,10 @@ NO_KV_CONFIG = ('num_blocks = 64\nhash_block_size = 16\nmax_model_len = 4096\n'
     (["--preset", "jamba-hybrid"], r"group 1 is MambaSpec"),
     (["--preset", "whisper-encdec"], r"group 1 is CrossAttentionSpec"),
     (["--kv-memory", "1K"], r"at least 2 are needed"),
+    (["--requests", "0"], r"--requests must be at least 1"),
 ], ids=["workers-0", "kill-worker", "verify-hits", "no-workload", "bad-jsonl", "no-kv",
-        "connect-isolated", "connect-nobody", "mamba", "encoder-decoder", "tiny-memory"])
+        "connect-isolated", "connect-nobody", "mamba", "encoder-decoder", "tiny-memory",
+        "requests-0"])
 def test_bad_arguments_exit_2(tmp_path, sockdir, args, message):
     (tmp_path / "no_kv.toml").write_text(NO_KV_CONFIG)
     (tmp_path / "bad.jsonl").write_text('{"prompt_ids": [1, 2, 3]}\n{"prompt_ids": [1,\n')

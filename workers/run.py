@@ -44,6 +44,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                       help="run shared, then isolated, and compare them")
     ap.add_argument("--workload", default="synthetic",
                     help="'synthetic' (default) or a JSONL file of prompts")
+    ap.add_argument("--requests", type=int, metavar="N",
+                    help="serve only the first N requests of the workload, then stop "
+                         "(a fixed amount of work: compare wall times); --duration "
+                         "still caps the run")
     ap.add_argument("--assign", choices=("round-robin", "hash"), default="round-robin",
                     help="how requests go to workers (hash keeps a conversation on one)")
     ap.add_argument("--seed", type=int, default=0, help="workload and model seed")
@@ -115,6 +119,10 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
         max_len = config.max_model_len if config else 4096
         load_jsonl(path, max_len=max_len)    # bad lines fail here, not in N workers
         workload = {"kind": "jsonl", "path": str(path.resolve()), "max_len": max_len}
+    if args.requests is not None:
+        if args.requests < 1:
+            raise ValueError(f"--requests must be at least 1 (got {args.requests})")
+        workload["limit"] = args.requests
     workload["assign"] = args.assign
     engine = {"token_budget": args.token_budget, "max_running": args.max_running,
               "verify_hits": args.verify_hits, "check_decode": args.check_decode,

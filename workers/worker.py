@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import signal
@@ -24,7 +25,8 @@ from workers.traffic import SyntheticSpec, assign, load_jsonl, synthetic
 def workload_items(workload: dict, index: int, num_workers: int):
     """This worker's share of the workload described by `workload`:
     {"kind": "synthetic", "spec": {...SyntheticSpec fields}} or
-    {"kind": "jsonl", "path": ..., "vocab", "max_len"}; plus "assign"."""
+    {"kind": "jsonl", "path": ..., "vocab", "max_len"}; plus "assign" and
+    "limit" (only the first `limit` items of the whole workload)."""
     kind = workload.get("kind")
     if kind == "synthetic":
         spec = dict(workload.get("spec", {}))
@@ -37,6 +39,8 @@ def workload_items(workload: dict, index: int, num_workers: int):
                            max_len=workload.get("max_len", 4096))
     else:
         raise ValueError(f"unknown workload kind {kind!r} (synthetic, jsonl)")
+    if workload.get("limit") is not None:
+        items = itertools.islice(items, workload["limit"])
     return assign(items, index, num_workers, workload.get("assign", "round-robin"))
 
 
