@@ -110,7 +110,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
     for r in rows:
         state = "live" if r["alive"] else "STALE (owner dead: remove with `kvshm rm " \
             + r["name"] + "`)"
-        print(f"{r['name']}: {r['bytes']:,} bytes, {r['num_blocks']} blocks, "
+        kind = "KV arena" if r["kind"] == "arena" else "pool"
+        print(f"{r['name']}: {kind}, {r['bytes']:,} bytes, {r['num_blocks']} blocks, "
               f"owner pid {r['pid']} {state}")
     return 0
 

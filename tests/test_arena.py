@@ -280,3 +280,16 @@ async def test_admit_errors(coordinator):
         await c.admit("r", 4)
     assert coord.mgr.block_pool.num_free_blocks == free
     await c.close()
+
+
+def test_kvshm_ls_and_rm_know_arenas(capsys):
+    from kvshm.cli import main
+    cfg = kv_config()
+    with KVArena.create(cfg, _name("cli")) as arena:
+        assert main(["ls"]) == 0
+        line = next(ln for ln in capsys.readouterr().out.splitlines()
+                    if ln.startswith(arena.name))
+        assert f"KV arena, {arena.layout.size:,} bytes, 16 blocks" in line and "live" in line
+        assert main(["rm", arena.name]) == 1
+        assert "live process" in capsys.readouterr().err
+        assert os.path.exists(f"{SHM_DIR}/{arena.name}")
