@@ -137,6 +137,7 @@ class Launch:
         self.results = [WorkerResult(i, tuple(n.cpus)) for i, n in enumerate(cpu_plan.workers)]
         self.interrupted = asyncio.Event()
         self.config = opts.config
+        self._t0 = 0.0
 
     # -- coordinators ------------------------------------------------------------------------------
     def start_coordinators(self) -> None:
@@ -237,23 +238,26 @@ class Launch:
             elif event == "error":
                 res.status, res.message = "error", msg.get("message", "")
         code = await proc.wait()
+        after = f" {time.monotonic() - self._t0:.1f}s into the run" if self._t0 else ""
         err = (await stderr_task).decode(errors="replace").strip()
         if res.status == "running":
             if code < 0 and -code == signal.SIGKILL and i == self.opts.kill_worker:
                 res.status = "killed"
-                res.message = f"killed with SIGKILL by --kill-worker after {self.opts.kill_after:g}s"
+                res.message = (f"killed with SIGKILL by --kill-worker{after} (its figures are "
+                               "those of its last progress report)")
             elif self.interrupted.is_set():
                 res.status, res.message = "interrupted", "stopped by Ctrl-C"
             else:
                 res.status = "died"
-                res.message = (f"exited with {_exit_text(code)}"
+                res.message = (f"exited with {_exit_text(code)}{after} (its figures are "
+                               "those of its last progress report)"
                                + (f": {err.splitlines()[-1]}" if err else ""))
 
     async def run(self) -> RunResult:
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGINT, self.interrupted.set)
         loop.add_signal_handler(signal.SIGTERM, self.interrupted.set)
-        t0 = time.monotonic()
+        t0 = self._t0 = time.monotonic()
         try:
             # From this thread: children die with the thread that started them.
             self.start_coordinators()
