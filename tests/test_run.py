@@ -206,6 +206,32 @@ def test_connect_to_a_running_coordinator(tmp_path):
     assert not leftovers(before)
 
 
+def test_a_coordinator_that_dies_mid_run_is_reported(tmp_path):
+    from kvshm.arena import arena_name
+    from kvshm.core.segment import remove_segment
+    before = kvshm_segments()
+    out = tmp_path / "out.json"
+    with CoordinatorProcess(preset_config("tiny", num_blocks=2048)) as coord:
+        proc = subprocess.Popen([*RUN, "--connect", str(coord.socket), "--duration", "20",
+                                 "--grace", "1", "--quiet", "--json", str(out)],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        time.sleep(3)
+        coord.proc.kill()                       # the coordinator crashes
+        stdout, stderr = proc.communicate(timeout=TIMEOUT)
+    try:
+        assert proc.returncode == 1, stdout + stderr
+        assert "Traceback" not in stderr
+        assert "pool after run    UNAVAILABLE: no coordinator listening" in stdout
+        [res] = results(out)
+        assert {w["status"] for w in res["workers"]} == {"error"}
+        assert all("ConnectionLost" in w["message"] for w in res["workers"])
+        assert all(not worker_alive(w["pid"]) for w in res["workers"])
+    finally:   # a SIGKILLed coordinator leaves its segments: `kvshm rm` territory
+        for name in (coord.name, arena_name(coord.name)):
+            remove_segment(name)
+    assert not leftovers(before)
+
+
 # -- refusals -------------------------------------------------------------------------------------
 NO_KV_CONFIG = ('num_blocks = 64\nhash_block_size = 16\nmax_model_len = 4096\n'
                 'groups = [{type = "full", block_size = 16}]\n')

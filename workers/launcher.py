@@ -177,15 +177,21 @@ class Launch:
         from kvshm.core.check import check_segment
         from kvshm.core.segment import PoolSegment
         from kvshm.service.client import connect
+        from kvshm.core.errors import KvshmError
         reports = []
         for sock in dict.fromkeys(self.sockets):
-            client = await connect(sock, **self._hash())
             try:
-                st = await client.stats()
-                with PoolSegment.attach(client.pool_segment) as seg:
-                    check = check_segment(seg)
-            finally:
-                await client.close()
+                client = await connect(sock, **self._hash())
+                try:
+                    st = await client.stats()
+                    with PoolSegment.attach(client.pool_segment) as seg:
+                        check = check_segment(seg)
+                finally:
+                    await client.close()
+            except KvshmError as e:   # the coordinator is gone: say so in the summary
+                reports.append({"socket": sock, "error": str(e), "check_clean": False,
+                                "problems": [f"coordinator unreachable after the run: {e}"]})
+                continue
             reports.append({"socket": sock, "num_blocks": st.num_blocks,
                             "num_free_blocks": st.num_free_blocks,
                             "num_cached_blocks": st.num_cached_blocks,

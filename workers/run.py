@@ -156,6 +156,9 @@ def run(args: argparse.Namespace) -> int:
         except KvshmError as e:   # e.g. nothing listens at --connect
             print(f"kvshm run: {e}", file=sys.stderr)
             return 2
+        except RuntimeError as e:   # a coordinator failed to start or stop cleanly
+            print(f"kvshm run: {e}", file=sys.stderr)
+            return 1
         results.append(res)
         print(summary(res), flush=True)
         if res.interrupted:
@@ -227,6 +230,9 @@ def summary(res: RunResult) -> str:
            f"{t('hit_mismatches')} mismatches; {t('decode_checks'):,} decode attention "
            f"checks: {t('decode_mismatches')} mismatches"]
     for pool in res.pools:
+        if "error" in pool:
+            out.append(f"  pool after run    UNAVAILABLE: {pool['error']}")
+            continue
         out.append(
             f"  pool after run    {pool['num_requests']} requests, {pool['num_free_blocks']:,} "
             f"of {pool['num_blocks'] - 1:,} blocks free ({pool['num_cached_blocks']:,} "
@@ -246,8 +252,8 @@ def summary(res: RunResult) -> str:
             out.append(f"    worker {w.index} first integrity failure: {s['first_error']}")
     killed = [w for w in res.workers if w.status in ("killed", "died")]
     if killed and res.pools:
-        back = all(p["num_requests"] == 0 and p["num_free_blocks"] == p["num_blocks"] - 1
-                   for p in res.pools)
+        back = all("error" not in p and p["num_requests"] == 0
+                   and p["num_free_blocks"] == p["num_blocks"] - 1 for p in res.pools)
         out.append(f"  note: worker(s) {', '.join(str(w.index) for w in killed)} did not "
                    f"finish; the coordinator freed their requests when their sessions "
                    f"ended: {'every block is back in the pool' if back else 'BLOCKS MISSING'}")
