@@ -188,6 +188,29 @@ async def test_a_corrupted_cached_block_is_detected(coordinator, open_worker):
     assert_pool_whole(coord)
 
 
+async def test_a_sampled_check_recomputes_only_sampled_blocks_and_still_catches(
+        coordinator, open_worker):
+    coord = await coordinator(kv_config())
+    prefix = toks(4 * BS, seed=11)
+    a = await open_worker(coord)
+    await a.run([Item("a0", prefix + toks(20, seed=12), toks(5, seed=13), "a", 0)])
+    hits = await cached_prefix_blocks(a.client, prefix + (7,), "probe-a")
+    b = await open_worker(coord, verify_hits=0.5, sample_seed=0)
+    originals = b.arena.kv[hits].copy()
+    for block in hits:                  # every hit block is wrong: any sample must see it
+        b.arena.kv[block, 0, 0, 0, 0, 0] += 1.0
+    await b.run([Item("b0", prefix + toks(30, seed=14), toks(3, seed=15), "b", 0)])
+    # seed 0 samples blocks 2 and 3: their K/V are computed from the context of
+    # the tokens before them, not from position 0
+    assert b.stats.hit_blocks_checked == 2
+    assert b.stats.hit_mismatches == 2
+    b.arena.kv[hits] = originals
+    c = await open_worker(coord, verify_hits=0.5, sample_seed=0)
+    await c.run([Item("c0", prefix + toks(25, seed=16), toks(3, seed=17), "c", 0)])
+    assert c.stats.hit_blocks_checked == 2 and c.stats.hit_mismatches == 0
+    assert_pool_whole(coord)
+
+
 # -- scheduling ----------------------------------------------------------------------------------
 def endless(tag: str, prompt_len: int, output_len: int, prefix: tuple[int, ...] = ()):
     """Distinct requests of one shape, forever."""

@@ -450,21 +450,43 @@ class Engine:
             if idx:
                 checks.append((g, bs, idx))
         seq.ctx = self.model.context(seq.tokens[:num_hit])
-        if checks:   # K/V from scratch up to the last block to check
-            upto = max((idx[-1] + 1) * bs for _, bs, idx in checks)
-            k, v, _ = self.model.kv(seq.tokens[:upto], 0, self.model.context([]))
+        expected = self._expected_kv(seq.tokens, checks)
         for g, bs, idx in checks:
             table, view = seq.tables[g], self.views[g]
             st.hit_blocks_checked += len(idx)
-            kg, vg = k[g * L:(g + 1) * L], v[g * L:(g + 1) * L]
-            bad = [i for i in idx if mismatching_blocks(
-                view, [table[i]], bs, kg[:, i * bs:(i + 1) * bs], vg[:, i * bs:(i + 1) * bs])]
+            layers = slice(g * L, (g + 1) * L)
+            bad = []
+            for i in idx:
+                k, v = expected[i * bs, (i + 1) * bs]
+                if mismatching_blocks(view, [table[i]], bs, k[layers], v[layers]):
+                    bad.append(i)
             if bad:
                 st.hit_mismatches += len(bad)
                 self._error(f"{seq.rid}: {len(bad)} prefix-cache hit block(s) hold the "
                             f"wrong K/V (group {g}, block ids "
                             f"{[table[i] for i in bad][:8]})")
         st.check_s += time.perf_counter() - t0
+
+    def _expected_kv(self, tokens: list[int], checks) -> dict:
+        """K/V from scratch for the token ranges of the blocks in `checks`
+        ({(start, end): (k, v)}): each run of adjacent blocks is computed
+        from the context of the tokens before it, so a sample costs only
+        the sampled blocks (plus a cheap prefix scan), not the whole prefix."""
+        ranges = sorted({(i * bs, (i + 1) * bs) for _, bs, idx in checks for i in idx})
+        runs: list[list[int]] = []
+        for lo, hi in ranges:
+            if runs and lo <= runs[-1][1]:
+                runs[-1][1] = max(runs[-1][1], hi)
+            else:
+                runs.append([lo, hi])
+        model = self.model
+        out = {}
+        for lo, hi in runs:
+            k, v, _ = model.kv(tokens[lo:hi], lo, model.context(tokens[:lo]))
+            for a, b in ranges:
+                if lo <= a and b <= hi:
+                    out[a, b] = (k[:, a - lo:b - lo], v[:, a - lo:b - lo])
+        return out
 
     def _error(self, message: str) -> None:
         if not self.stats.first_error:
