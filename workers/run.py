@@ -223,9 +223,9 @@ def summary(res: RunResult) -> str:
            f"  allocation        step batch round trip p50 {percentile(lat, 50) or 0:,} us, "
            f"p99 {percentile(lat, 99) or 0:,} us over {len(lat):,} steps",
            f"  preemptions       {t('preemptions'):,}",
-           f"  worker time       model {t('model_s'):,.1f}s, integrity checks "
-           f"{t('check_s'):,.1f}s, waiting for the coordinator {t('coord_s'):,.1f}s "
-           f"(summed over workers)",
+           f"  worker time       CPU s: K/V {t('kv_s'):,.1f}, decode attention "
+           f"{t('attention_s'):,.1f}, integrity checks {t('check_s'):,.1f}; waiting for "
+           f"the coordinator {t('coord_s'):,.1f}s (summed over workers)",
            f"  integrity         {t('hit_blocks_checked'):,} hit blocks checked: "
            f"{t('hit_mismatches')} mismatches; {t('decode_checks'):,} decode attention "
            f"checks: {t('decode_mismatches')} mismatches"]
@@ -294,12 +294,10 @@ def comparison(shared: RunResult, isolated: RunResult) -> str:
         row("step round trip p99 us", lat(shared, 99), lat(isolated, 99)),
         row("preemptions", f"{shared.total('preemptions'):,}",
             f"{isolated.total('preemptions'):,}"),
-        row("worker s: model", f"{shared.total('model_s'):,.1f}",
-            f"{isolated.total('model_s'):,.1f}"),
-        row("worker s: checks", f"{shared.total('check_s'):,.1f}",
-            f"{isolated.total('check_s'):,.1f}"),
-        row("worker s: coordinator", f"{shared.total('coord_s'):,.1f}",
-            f"{isolated.total('coord_s'):,.1f}"),
+        *(row(f"worker {label}", f"{shared.total(key):,.1f}", f"{isolated.total(key):,.1f}")
+          for label, key in (("CPU s: K/V", "kv_s"), ("CPU s: attention", "attention_s"),
+                             ("CPU s: checks", "check_s"),
+                             ("s waiting: coordinator", "coord_s"))),
         row("integrity mismatches", str(shared.integrity_failures),
             str(isolated.integrity_failures)),
     ]
