@@ -64,6 +64,7 @@ def test_the_base_config_is_valid():
         (dict(num_blocks=0), "num_blocks"),
         (dict(num_blocks=-5), "num_blocks"),
         (dict(num_blocks=1), "num_blocks"),
+        (dict(num_blocks=2**31 - 1), "num_blocks"),     # ids are int32
         (dict(hash_block_size=0), "hash_block_size"),
         (dict(hash_block_size=-4), "hash_block_size"),
         (dict(max_model_len=0), "max_model_len"),

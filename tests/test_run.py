@@ -256,9 +256,11 @@ NO_KV_CONFIG = ('num_blocks = 64\nhash_block_size = 16\nmax_model_len = 4096\n'
     (["--preset", "whisper-encdec"], r"group 1 is CrossAttentionSpec"),
     (["--kv-memory", "1K"], r"at least 2 are needed"),
     (["--requests", "0"], r"--requests must be at least 1"),
+    (["--kv-memory", "100T"], r"num_blocks: must be at most 2,147,483,646"),
+    (["--num-blocks", "2000000000"], r"needs [\d,]+ bytes but /dev/shm has only"),
 ], ids=["workers-0", "kill-worker", "verify-hits", "no-workload", "bad-jsonl", "no-kv",
         "connect-isolated", "connect-nobody", "mamba", "encoder-decoder", "tiny-memory",
-        "requests-0"])
+        "requests-0", "too-many-blocks", "no-shm-space"])
 def test_bad_arguments_exit_2(tmp_path, sockdir, args, message):
     (tmp_path / "no_kv.toml").write_text(NO_KV_CONFIG)
     (tmp_path / "bad.jsonl").write_text('{"prompt_ids": [1, 2, 3]}\n{"prompt_ids": [1,\n')

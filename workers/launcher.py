@@ -149,8 +149,8 @@ class Launch:
             return
         n = opts.num_workers if self.mode == "isolated" else 1
         cfg = opts.config
-        if self.mode == "isolated":   # the same total, split (each keeps a null block)
-            cfg = cfg.replace(num_blocks=(cfg.num_blocks - 1) // n + 1).validate()
+        if self.mode == "isolated":
+            cfg = isolated_config(cfg, n)
         self.config = cfg
         for _ in range(n):
             proc = CoordinatorProcess(cfg, new_session=True, with_parent=True)
@@ -330,7 +330,8 @@ class Launch:
         usage = self._pool_usage()
         running = sum(1 for w in self.results if w.status == "running")
         return (f"[{self.mode} {elapsed:5.1f}s] workers {running}/{len(self.results)} | "
-                f"requests {tot('finished'):,} | {tokens / max(elapsed, 1e-9):,.0f} tok/s | "
+                f"requests {tot('finished'):,} | {tokens / max(elapsed, 1e-9):,.0f} tok/s "
+                f"served | "
                 f"hit {hit / prompt if prompt else 0:.1%} (cross-worker "
                 f"{tot('cross_hit_tokens'):,} tok) | pool {usage} | "
                 f"preempt {tot('preemptions')} | mismatches {tot('integrity_failures')}  ")
@@ -348,6 +349,12 @@ class Launch:
             except Exception:   # noqa: BLE001 - starting or stopping: no figure this time
                 return "?"
         return f"{sum(used) / len(used):.0%}"
+
+
+def isolated_config(config: PoolConfig, num_workers: int) -> PoolConfig:
+    """One worker's private pool in isolated mode: the same total of usable
+    blocks, split (each pool keeps its own null block)."""
+    return config.replace(num_blocks=(config.num_blocks - 1) // num_workers + 1).validate()
 
 
 def _exit_text(code: int) -> str:

@@ -14,7 +14,14 @@ import sys
 from pathlib import Path
 
 from kvshm.core.errors import KvshmError
-from workers.launcher import LaunchOptions, RunResult, launch, make_plan, percentile
+from workers.launcher import (
+    LaunchOptions,
+    RunResult,
+    isolated_config,
+    launch,
+    make_plan,
+    percentile,
+)
 from workers.topology import describe, format_cpulist
 
 DEFAULT_PRESET = "tiny"
@@ -128,8 +135,14 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
               "verify_hits": args.verify_hits, "check_decode": args.check_decode,
               "seed": args.seed}
     if config is not None:
+        from kvshm.arena import arena_bytes
+        from kvshm.core.segment import Layout, check_shm_space
         from workers.engine import check_supported
         check_supported(config)
+        pools = args.workers if (args.isolated or args.compare) else 1
+        per_pool = config if pools == 1 else isolated_config(config, pools)
+        # Refuse up front (exit 2) rather than from inside a coordinator child.
+        check_shm_space(pools * (Layout(per_pool).size + arena_bytes(per_pool)))
     return LaunchOptions(
         num_workers=args.workers, duration=args.duration, grace=args.grace, config=config,
         connect=args.connect, hash_algorithm=args.hash_algorithm, hash_seed=args.hash_seed,

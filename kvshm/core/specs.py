@@ -86,6 +86,10 @@ FULL_ATTENTION_TYPES = (FullSpec, MLASpec, SinkFullSpec)
 
 HASH_ALGORITHMS = ("sha256", "xxh3_128")
 
+# Block ids, table entries and free-queue links are int32 in shared memory;
+# the free queue's sentinel is id num_blocks.
+MAX_NUM_BLOCKS = 2**31 - 2
+
 # Element types the KV arena can hold, and their sizes in bytes.
 KV_DTYPES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
@@ -192,6 +196,9 @@ class PoolConfig(msgspec.Struct, frozen=True, kw_only=True):
         _positive("num_blocks", self.num_blocks)
         if self.num_blocks < 2:
             raise ConfigError("num_blocks", "must be at least 2 (block 0 is the null block)")
+        if self.num_blocks > MAX_NUM_BLOCKS:
+            raise ConfigError("num_blocks", f"must be at most {MAX_NUM_BLOCKS:,} (block ids "
+                              f"and free-queue links are int32; got {self.num_blocks:,})")
         _positive("hash_block_size", self.hash_block_size)
         _positive("max_model_len", self.max_model_len)
         _positive("max_num_seqs", self.max_num_seqs)
