@@ -102,6 +102,8 @@ def test_shared_run(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     for line in ("prefix cache", "integrity", "pool after run"):
         assert line in proc.stdout
+    assert proc.stdout.rstrip().endswith("result: OK (0 integrity mismatches, every worker "
+                                         "finished, pools whole)")
     [res] = results(out)
     assert res["mode"] == "shared" and not res["interrupted"]
     assert res["num_blocks"] == 1024
@@ -228,6 +230,8 @@ def test_a_coordinator_that_dies_mid_run_is_reported(tmp_path):
         assert proc.returncode == 1, stdout + stderr
         assert "Traceback" not in stderr
         assert "pool after run    UNAVAILABLE: no coordinator listening" in stdout
+        assert "result: FAILED: shared: worker 0 error; shared: worker 1 error; shared: " \
+            "pool check failed" in stdout
         [res] = results(out)
         assert {w["status"] for w in res["workers"]} == {"error"}
         assert all("ConnectionLost" in w["message"] for w in res["workers"])
@@ -258,9 +262,10 @@ NO_KV_CONFIG = ('num_blocks = 64\nhash_block_size = 16\nmax_model_len = 4096\n'
     (["--requests", "0"], r"--requests must be at least 1"),
     (["--kv-memory", "100T"], r"num_blocks: must be at most 2,147,483,646"),
     (["--num-blocks", "2000000000"], r"needs [\d,]+ bytes but /dev/shm has only"),
+    (["--json", "/nonexistent/dir/out.json"], r"--json: the directory of .* does not exist"),
 ], ids=["workers-0", "kill-worker", "verify-hits", "no-workload", "bad-jsonl", "no-kv",
         "connect-isolated", "connect-nobody", "mamba", "encoder-decoder", "tiny-memory",
-        "requests-0", "too-many-blocks", "no-shm-space"])
+        "requests-0", "too-many-blocks", "no-shm-space", "json-dir"])
 def test_bad_arguments_exit_2(tmp_path, sockdir, args, message):
     (tmp_path / "no_kv.toml").write_text(NO_KV_CONFIG)
     (tmp_path / "bad.jsonl").write_text('{"prompt_ids": [1, 2, 3]}\n{"prompt_ids": [1,\n')

@@ -126,6 +126,8 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
         max_len = config.max_model_len if config else 4096
         load_jsonl(path, max_len=max_len)    # bad lines fail here, not in N workers
         workload = {"kind": "jsonl", "path": str(path.resolve()), "max_len": max_len}
+    if args.json and not Path(args.json).resolve().parent.is_dir():
+        raise ValueError(f"--json: the directory of {args.json} does not exist")
     if args.requests is not None:
         if args.requests < 1:
             raise ValueError(f"--requests must be at least 1 (got {args.requests})")
@@ -182,14 +184,24 @@ def run(args: argparse.Namespace) -> int:
         Path(args.json).write_text(json.dumps(
             {"runs": [r.to_dict() for r in results]}, indent=2))
     if any(r.interrupted for r in results):
+        print("result: interrupted", flush=True)
         return 130
-    return 0 if all(_ok(r, opts) for r in results) else 1
+    problems = [p for r in results for p in _problems(r, opts)]
+    print("result: " + ("OK (0 integrity mismatches, every worker finished, pools whole)"
+                        if not problems else "FAILED: " + "; ".join(problems)), flush=True)
+    return 1 if problems else 0
 
 
-def _ok(res: RunResult, opts: LaunchOptions) -> bool:
+def _problems(res: RunResult, opts: LaunchOptions) -> list[str]:
+    """What makes a run a failure (exit 1), in words."""
     expected = {"done"} | ({"killed"} if opts.kill_worker is not None else set())
-    return (res.integrity_failures == 0 and all(w.status in expected for w in res.workers)
-            and all(p["check_clean"] for p in res.pools))
+    out = []
+    if res.integrity_failures:
+        out.append(f"{res.mode}: {res.integrity_failures} integrity mismatch(es)")
+    out += [f"{res.mode}: worker {w.index} {w.status}" for w in res.workers
+            if w.status not in expected]
+    out += [f"{res.mode}: pool check failed" for p in res.pools if not p["check_clean"]]
+    return out
 
 
 # -- printing ---------------------------------------------------------------------------------
