@@ -3,7 +3,9 @@
 The public API, re-exported here (pinned by tests/test_public_api.py):
 
 - `PoolConfig` and the group specs (`FullSpec`, `MLASpec`, `SinkFullSpec`,
-  `SlidingWindowSpec`, `ChunkedLocalSpec`, `MambaSpec`, `CrossAttentionSpec`)
+  `SlidingWindowSpec`, `ChunkedLocalSpec`, `MambaSpec`, `CrossAttentionSpec`),
+  `KVShape` (the KV arena's shape; the arena itself is `kvshm.arena.KVArena`,
+  not imported here so that `import kvshm` needs no numpy)
 - `KVCacheManager` (embedded mode), `Request`, `BlockHasher`
 - `PoolSegment` (the shared-memory pool state) and `check_segment`
 - the error classes
@@ -30,6 +32,7 @@ from kvshm.core.specs import (
     ChunkedLocalSpec,
     CrossAttentionSpec,
     FullSpec,
+    KVShape,
     MambaSpec,
     MLASpec,
     PoolConfig,
@@ -49,6 +52,7 @@ __all__ = [
     "FullSpec",
     "InvalidArgument",
     "KVCacheManager",
+    "KVShape",
     "KvshmError",
     "MLASpec",
     "MambaSpec",

@@ -4,7 +4,8 @@ import kvshm
 
 EXPECTED = {
     "BlockHasher", "CheckReport", "ChunkedLocalSpec", "ConfigError", "CrossAttentionSpec",
-    "DuplicateRequest", "FullSpec", "InvalidArgument", "KVCacheManager", "KvshmError",
+    "DuplicateRequest", "FullSpec", "InvalidArgument", "KVCacheManager", "KVShape",
+    "KvshmError",
     "MLASpec", "MambaSpec", "NoFreeBlocks", "PoolConfig", "PoolSegment", "Request",
     "RequestTableFull", "RequestTooLong", "SegmentError", "ShmSpaceError", "SinkFullSpec",
     "SlidingWindowSpec", "UnknownRequest", "check_segment", "hash_fingerprint",
@@ -26,3 +27,12 @@ def test_errors_share_one_base_with_codes():
         if isinstance(obj, type) and issubclass(obj, Exception):
             assert issubclass(obj, kvshm.KvshmError)
             assert obj.code.isupper()
+
+
+def test_import_kvshm_needs_no_numpy():
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-c", "import sys, kvshm; "
+                          "print('numpy' in sys.modules)"],
+                         capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"

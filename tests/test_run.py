@@ -359,3 +359,17 @@ def test_python_m_workers_help():
     assert proc.returncode == 0, proc.stderr
     for option in ("--isolated", "--compare", "--kill-worker", "--workload", "--connect"):
         assert option in proc.stdout
+
+
+def test_a_bfloat16_pool_without_ml_dtypes_is_refused_up_front(tmp_path):
+    blocker = tmp_path / "block"
+    blocker.mkdir()
+    (blocker / "ml_dtypes.py").write_text("raise ImportError('ml_dtypes is not installed')\n")
+    env = dict(os.environ, PYTHONPATH=str(blocker))
+    before = kvshm_segments()
+    proc = subprocess.run([*RUN, "--preset", "llama-8b", "--num-blocks", "64", "--quiet"],
+                          capture_output=True, text=True, timeout=TIMEOUT, env=env)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "bfloat16 KV arena needs the ml_dtypes package" in proc.stderr
+    assert "== shared pool" not in proc.stdout
+    assert not leftovers(before)

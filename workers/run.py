@@ -137,10 +137,11 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
               "verify_hits": args.verify_hits, "check_decode": args.check_decode,
               "seed": args.seed}
     if config is not None:
-        from kvshm.arena import arena_bytes
+        from kvshm.arena import arena_bytes, resolve_dtype
         from kvshm.core.segment import Layout, check_shm_space
         from workers.engine import check_supported
         check_supported(config)
+        resolve_dtype(config.kv.dtype)   # e.g. bfloat16 without ml_dtypes: say so now
         pools = args.workers if (args.isolated or args.compare) else 1
         per_pool = config if pools == 1 else isolated_config(config, pools)
         # Refuse up front (exit 2) rather than from inside a coordinator child.
