@@ -29,7 +29,8 @@ DEFAULT_KV_MEMORY = "96M"
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
+    ap.add_argument("--workers", type=int, default=None,
+                    help="worker processes (default: one per NUMA node, at least 2)")
     ap.add_argument("--duration", type=float, default=30.0,
                     help="seconds of workload (admissions stop then; default 30)")
     ap.add_argument("--grace", type=float, default=10.0,
@@ -80,6 +81,9 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
     from kvshm.core.specs import PoolConfig
     from kvshm.service.presets import blocks_for_memory, parse_size, preset_config
 
+    if args.workers is None:
+        from workers.topology import discover
+        args.workers = max(2, sum(1 for node in discover() if not node.virtual))
     if args.workers < 1:
         raise ValueError(f"--workers must be at least 1 (got {args.workers})")
     if args.duration <= 0 or args.grace < 0:
