@@ -214,6 +214,21 @@ def test_connect_to_a_running_coordinator(tmp_path):
     assert not leftovers(before)
 
 
+def test_connect_to_a_pool_workers_cannot_use_is_refused():
+    from kvshm.core.specs import FullSpec, PoolConfig
+    no_arena = PoolConfig(num_blocks=64, hash_block_size=16, max_model_len=4096,
+                          groups=(FullSpec(16),))
+    before = kvshm_segments()
+    with CoordinatorProcess(no_arena) as coord:
+        proc = run("--connect", str(coord.socket), "--duration", "2", "--quiet")
+        assert proc.returncode == 2, proc.stdout + proc.stderr
+        assert re.search(r"kvshm run: cannot run workers on the pool at .*: the pool has no "
+                         r"kv shape", proc.stderr), proc.stderr
+        assert "== shared pool" not in proc.stdout
+        assert coord.proc.poll() is None
+    assert not leftovers(before)
+
+
 def test_a_coordinator_that_dies_mid_run_is_reported(tmp_path):
     from kvshm.arena import arena_name
     from kvshm.core.segment import remove_segment

@@ -138,6 +138,7 @@ class Launch:
         self.results = [WorkerResult(i, tuple(n.cpus)) for i, n in enumerate(cpu_plan.workers)]
         self.interrupted = asyncio.Event()
         self.config = opts.config
+        self.pool_names: list[str] = []      # the joined pool's segment (--connect)
         self._t0 = 0.0
 
     # -- coordinators ------------------------------------------------------------------------------
@@ -269,10 +270,7 @@ class Launch:
             # From this thread: children die with the thread that started them.
             self.start_coordinators()
             if self.config is None:   # joined a coordinator: learn its pool
-                from kvshm.service.client import connect
-                client = await connect(self.sockets[0], **self._hash())
-                self.config = client.config
-                await client.close()
+                await self._learn_pool()
             self.procs = [await self.spawn(i) for i in range(self.opts.num_workers)]
             watchers = [asyncio.ensure_future(self.watch(i, p)) for i, p in enumerate(self.procs)]
             extras = [asyncio.ensure_future(self._progress(t0)),
@@ -296,6 +294,25 @@ class Launch:
             self.out.write("\n" if self.out.isatty() else "")
         return RunResult(self.mode, self.config, self.results, seconds, pools,
                          self.interrupted.is_set())
+
+    async def _learn_pool(self) -> None:
+        """With --connect: the pool's config and segment, and whether the
+        workers can run on it (refused here rather than in every worker)."""
+        from kvshm.core.errors import InvalidArgument
+        from kvshm.service.client import connect
+        from workers.engine import UnsupportedModel, check_supported
+        client = await connect(self.sockets[0], **self._hash())
+        try:
+            self.config = client.config
+            self.pool_names = [client.pool_segment]
+            check_supported(client.config)
+            if not client.arena_segment:
+                raise UnsupportedModel("the coordinator has no KV arena")
+        except UnsupportedModel as e:
+            raise InvalidArgument(f"cannot run workers on the pool at {self.sockets[0]}: "
+                                  f"{e}") from None
+        finally:
+            await client.close()
 
     async def _stop_on_interrupt(self) -> None:
         await self.interrupted.wait()
@@ -339,12 +356,13 @@ class Launch:
     def _pool_usage(self) -> str:
         from kvshm.core.segment import PoolSegment
         from kvshm.core.stats import read_stats
-        if not self.coordinators:
+        names = [c.name for c in self.coordinators] or self.pool_names
+        if not names:
             return "?"
         used = []
-        for c in self.coordinators:
+        for name in names:
             try:
-                with PoolSegment.attach(c.name) as seg:
+                with PoolSegment.attach(name) as seg:
                     used.append(read_stats(seg)["usage"])
             except Exception:   # noqa: BLE001 - starting or stopping: no figure this time
                 return "?"
