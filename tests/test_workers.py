@@ -28,8 +28,9 @@ RUN_FOR = 60.0   # deadline for finite workloads: they end when their items are 
 
 
 def kv_config(groups=(FullSpec(BS),), num_blocks: int = 256, kv: KVShape = SHAPE, **changes):
-    return make_config(tuple(groups), num_blocks=num_blocks, hash_block_size=BS,
-                       max_model_len=2048, kv=kv, **changes)
+    changes.setdefault("max_model_len", 2048)
+    return make_config(tuple(groups), num_blocks=num_blocks, hash_block_size=BS, kv=kv,
+                       **changes)
 
 
 # A small chat workload: shared system prompts, multi-turn conversations.
@@ -250,6 +251,19 @@ async def test_a_finite_workload_is_served_to_the_end(coordinator, open_worker):
     assert_no_mismatch(stats)
     assert (stats.finished, stats.aborted, stats.rejected) == (6, 0, 0)
     assert stats.generated_tokens == 6 * 40
+    assert_pool_whole(coord)
+
+
+async def test_requests_that_can_never_fit_are_rejected_not_retried(coordinator, open_worker):
+    coord = await coordinator(kv_config(num_blocks=24, max_model_len=512))
+    items = [Item("fits", toks(60, seed=1), toks(8, seed=2), "a", 0),
+             Item("too-long-for-the-model", toks(500, seed=3), toks(20, seed=4), "b", 0),
+             Item("too-big-for-the-pool", toks(23 * BS, seed=5), toks(8, seed=6), "c", 0),
+             Item("fits-too", toks(30, seed=7), toks(8, seed=8), "d", 0)]
+    a = await open_worker(coord)
+    stats = await a.run(items, deadline=time.monotonic() + RUN_FOR)
+    assert (stats.finished, stats.rejected, stats.aborted) == (2, 2, 0)
+    assert stats.prompt_tokens == 60 + 30
     assert_pool_whole(coord)
 
 
