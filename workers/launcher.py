@@ -266,6 +266,7 @@ class Launch:
         loop.add_signal_handler(signal.SIGINT, self.interrupted.set)
         loop.add_signal_handler(signal.SIGTERM, self.interrupted.set)
         t0 = self._t0 = time.monotonic()
+        extras: list[asyncio.Future] = []
         try:
             # From this thread: children die with the thread that started them.
             self.start_coordinators()
@@ -273,16 +274,16 @@ class Launch:
                 await self._learn_pool()
             self.procs = [await self.spawn(i) for i in range(self.opts.num_workers)]
             watchers = [asyncio.ensure_future(self.watch(i, p)) for i, p in enumerate(self.procs)]
-            extras = [asyncio.ensure_future(self._progress(t0)),
-                      asyncio.ensure_future(self._stop_on_interrupt())]
+            extras += [asyncio.ensure_future(self._progress(t0)),
+                       asyncio.ensure_future(self._stop_on_interrupt())]
             if self.opts.kill_worker is not None:
                 extras.append(asyncio.ensure_future(self._kill_later()))
             await asyncio.gather(*watchers)
-            for task in extras:
-                task.cancel()
             seconds = time.monotonic() - t0
             pools = [] if self.interrupted.is_set() else await self.pool_reports()
         finally:
+            for task in extras:
+                task.cancel()
             for proc in self.procs:
                 if proc.returncode is None:
                     proc.kill()
