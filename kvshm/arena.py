@@ -32,12 +32,12 @@ import numpy as np
 from kvshm.core.errors import SegmentError
 from kvshm.core.segment import (
     _HEADER,
-    _NAME_RE,
     ARENA_MAGIC,
     OwnedMapping,
     _Shm,
-    check_shm_space,
     config_fingerprint,
+    create_shm,
+    open_shm,
 )
 from kvshm.core.specs import PoolConfig
 
@@ -146,18 +146,8 @@ class KVArena(OwnedMapping):
     def create(cls, config: PoolConfig, name: str, *, check_space: bool = True) -> "KVArena":
         """Create the arena for `config` as /dev/shm/`name`.  Raises
         SegmentError (bad or taken name, no `kv` shape) and ShmSpaceError."""
-        if not _NAME_RE.fullmatch(name):
-            raise SegmentError(
-                f"arena name {name!r}: use 1-200 letters, digits, '.', '_' or '-'")
         layout = ArenaLayout(config)
-        if check_space:
-            check_shm_space(layout.size)
-        try:
-            shm = _Shm.create(name, layout.size)
-        except FileExistsError:
-            raise SegmentError(
-                f"shared-memory segment {name!r} already exists; a live coordinator "
-                f"may own it, or remove a stale one with `kvshm rm {name}`") from None
+        shm = create_shm(name, layout.size, what="arena", check_space=check_space)
         try:
             _write_header(shm, layout)
             return cls(shm, layout, owner=True)
@@ -170,10 +160,7 @@ class KVArena(OwnedMapping):
     def attach(cls, name: str, config: PoolConfig) -> "KVArena":
         """Map an existing arena read/write; checks its magic, version, and
         that it was made for exactly `config` (the pool's, from `Welcome`)."""
-        try:
-            shm = _Shm.open(name)
-        except FileNotFoundError:
-            raise SegmentError(f"no KV arena segment named {name!r}") from None
+        shm = open_shm(name, "KV arena segment")
         try:
             layout = _read_layout(shm, name, config)
             return cls(shm, layout, owner=False)

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import os
 
 from kvshm import FullSpec, KVCacheManager, PoolConfig, Request
 from kvshm.core.check import check_segment
+from kvshm.core.segment import SHM_DIR, segment_info
 
 
 def make_config(groups=(FullSpec(4),), num_blocks: int = 10, **changes) -> PoolConfig:
@@ -43,3 +45,23 @@ async def until(cond, timeout: float = 2.0) -> None:
     while not cond():
         assert loop.time() < deadline, "condition not reached in time"
         await asyncio.sleep(0.005)
+
+
+def kvshm_segments() -> set[str]:
+    """Names of the kvshm-looking segments in /dev/shm now."""
+    try:
+        return {n for n in os.listdir(SHM_DIR) if n.startswith("kvshm")}
+    except OSError:
+        return set()
+
+
+def leftovers(before: set[str]) -> list[str]:
+    """Segments that appeared since `before` and were left by this run: owned
+    by this process or by a process that died (a live segment of another
+    program on the host is not ours to judge)."""
+    out = []
+    for name in sorted(kvshm_segments() - before):
+        info = segment_info(name)
+        if info is None or info["pid"] == os.getpid() or not info["alive"]:
+            out.append(name)
+    return out

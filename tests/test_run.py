@@ -17,7 +17,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from kvshm.core.segment import SHM_DIR, segment_info
+from helpers import kvshm_segments, leftovers
+
 from kvshm.service.presets import preset_config
 from kvshm.service.process import CoordinatorProcess
 
@@ -28,24 +29,6 @@ RUN_SECONDS = os.environ.get("KVSHM_RUN_SECONDS", "3")
 RUN_WORKERS = os.environ.get("KVSHM_RUN_WORKERS", "2")
 LIGHT = ["--kv-memory", "32M", "--quiet"]     # 1,024 blocks of the tiny preset
 TIMEOUT = 120
-
-
-def kvshm_segments() -> set[str]:
-    try:
-        return {n for n in os.listdir(SHM_DIR) if n.startswith("kvshm")}
-    except OSError:
-        return set()
-
-
-def leftovers(before: set[str]) -> list[str]:
-    """kvshm segments that appeared since `before` and whose owner is gone
-    (a live owner is another program on this shared host)."""
-    out = []
-    for name in sorted(kvshm_segments() - before):
-        info = segment_info(name)
-        if info is None or not info["alive"]:
-            out.append(name)
-    return out
 
 
 def run(*args: str, cmd=RUN, timeout: float = TIMEOUT) -> subprocess.CompletedProcess:

@@ -243,15 +243,12 @@ class Engine:
     # -- building a batch ------------------------------------------------------------------------
     def _bookkeeping(self) -> list:
         ops: list = []
-        for seq in self.running:
-            if seq.to_advance:
-                ops.append(p.Advance(seq.rid, seq.num_computed, seq.append))
-                ops.append(p.CacheBlocks(seq.rid, seq.num_computed))
-                seq.to_advance, seq.append = False, []
-        for seq in self.finishing:
+        for seq in [s for s in self.running if s.to_advance] + self.finishing:
+            # The tokens computed last step are in the arena now: cache them.
             ops.append(p.Advance(seq.rid, seq.num_computed, seq.append))
             ops.append(p.CacheBlocks(seq.rid, seq.num_computed))
-            ops.append(p.Free(seq.rid))
+            seq.to_advance, seq.append = False, []
+        ops += [p.Free(seq.rid) for seq in self.finishing]
         self.finishing.clear()
         return ops
 

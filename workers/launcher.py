@@ -54,7 +54,7 @@ class RunResult:
     interrupted: bool = False
 
     def total(self, key: str):
-        return sum(w.stats.get(key, 0) for w in self.workers)
+        return total(self.workers, key)
 
     @property
     def hit_rate(self) -> float:
@@ -97,6 +97,11 @@ class RunResult:
                          **{k: v for k, v in w.stats.items() if k != "batch_us"}}
                         for w in self.workers],
         }
+
+
+def total(workers: list[WorkerResult], key: str):
+    """A figure summed over the workers' latest reports."""
+    return sum(w.stats.get(key, 0) for w in workers)
 
 
 def percentile(sorted_values: list, q: float):
@@ -341,7 +346,8 @@ class Launch:
             self.out.flush()
 
     def _status(self, elapsed: float) -> str:
-        tot = lambda k: sum(w.stats.get(k, 0) for w in self.results)  # noqa: E731
+        def tot(key):
+            return total(self.results, key)
         prompt = tot("prompt_tokens")
         hit = tot("hit_tokens")
         tokens = tot("computed_tokens") + hit

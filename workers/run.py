@@ -115,11 +115,11 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
             args.preset or DEFAULT_PRESET, num_blocks=args.num_blocks,
             kv_memory=parse_size(args.kv_memory or DEFAULT_KV_MEMORY)
             if not args.num_blocks else None)
+    max_len = config.max_model_len if config else 4096
     if args.workload == "synthetic":
         import dataclasses
 
         from workers.traffic import SyntheticSpec
-        max_len = config.max_model_len if config else 4096
         spec = SyntheticSpec(seed=args.seed).fit(max_len).validate()
         workload = {"kind": "synthetic", "spec": dataclasses.asdict(spec)}
     else:
@@ -127,7 +127,6 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
         if not path.is_file():
             raise ValueError(f"--workload: {path} is not a file (or say 'synthetic')")
         from workers.traffic import load_jsonl
-        max_len = config.max_model_len if config else 4096
         load_jsonl(path, max_len=max_len)    # bad lines fail here, not in N workers
         workload = {"kind": "jsonl", "path": str(path.resolve()), "max_len": max_len}
     if args.json and not Path(args.json).resolve().parent.is_dir():

@@ -226,18 +226,8 @@ class PoolSegment(OwnedMapping):
         `name` already exists.
         """
         config.validate()
-        if name is not None and not _NAME_RE.fullmatch(name):
-            raise SegmentError(
-                f"segment name {name!r}: use 1-200 letters, digits, '.', '_' or '-'")
         layout = Layout(config)
-        check_shm_space(layout.size)
-        try:
-            shm = _Shm.create(name, layout.size)
-        except FileExistsError:
-            raise SegmentError(
-                f"shared-memory segment {name!r} already exists; a live coordinator "
-                f"may own it, or remove a stale one with `kvshm rm {name}`"
-            ) from None
+        shm = create_shm(name, layout.size)
         seg = cls(shm, layout, owner=True)
         seg._initialise()
         return seg
@@ -246,10 +236,7 @@ class PoolSegment(OwnedMapping):
     def attach(cls, name: str, expect_config: PoolConfig | None = None) -> "PoolSegment":
         """Attach to an existing segment; validates magic, version, and (when
         given) that the segment holds exactly `expect_config`."""
-        try:
-            shm = _Shm.open(name)
-        except FileNotFoundError:
-            raise SegmentError(f"no shared-memory segment named {name!r}") from None
+        shm = open_shm(name)
         try:
             layout = _read_layout(shm)
             if expect_config is not None and layout.config != expect_config:
@@ -410,6 +397,31 @@ class _Shm:
             _posixshmem.shm_unlink("/" + self.name)
         except FileNotFoundError:
             pass
+
+
+def create_shm(name: str | None, size: int, *, what: str = "segment",
+               check_space: bool = True) -> _Shm:
+    """A new segment of `size` bytes named `name` (None: a fresh random name)
+    for the pool or the arena.  Raises SegmentError for a bad or taken name
+    and ShmSpaceError (unless `check_space` is off) when /dev/shm is short."""
+    if name is not None and not _NAME_RE.fullmatch(name):
+        raise SegmentError(f"{what} name {name!r}: use 1-200 letters, digits, '.', '_' or '-'")
+    if check_space:
+        check_shm_space(size)
+    try:
+        return _Shm.create(name, size)
+    except FileExistsError:
+        raise SegmentError(
+            f"shared-memory segment {name!r} already exists; a live coordinator "
+            f"may own it, or remove a stale one with `kvshm rm {name}`") from None
+
+
+def open_shm(name: str, what: str = "shared-memory segment") -> _Shm:
+    """An existing segment; SegmentError if there is none called `name`."""
+    try:
+        return _Shm.open(name)
+    except FileNotFoundError:
+        raise SegmentError(f"no {what} named {name!r}") from None
 
 
 def check_shm_space(needed: int, path: str = SHM_DIR) -> None:
