@@ -80,21 +80,64 @@ def cmd_replay(args: argparse.Namespace) -> int:
     return 0 if failed == 0 else 1
 
 
+def segment_name(arg: str) -> str:
+    """The segment name that a command-line argument stands for.
+
+    Args:
+        arg: a segment name as `kvshm ls` prints it, or its path in SHM_DIR
+            (`/dev/shm/NAME`; a relative path is taken from the cwd).
+
+    Returns:
+        The bare name.
+
+    Raises:
+        SegmentError: `arg` is a path outside SHM_DIR or not a valid name.
+    """
+    from kvshm.core.errors import SegmentError
+    from kvshm.core.segment import _NAME_RE, SHM_DIR
+
+    name = arg
+    if "/" in arg:
+        directory, name = os.path.split(os.path.abspath(arg))
+        if arg.endswith("/") or os.path.realpath(directory) != os.path.realpath(SHM_DIR):
+            raise SegmentError(f"{arg!r} is not a segment in {SHM_DIR}: expected a segment "
+                               f"name (see `kvshm ls`) or {SHM_DIR}/NAME")
+    if not _NAME_RE.fullmatch(name) or name in (".", ".."):
+        raise SegmentError(f"bad segment name {name!r}: expected 1-200 letters, digits, "
+                           "'.', '_' or '-' (see `kvshm ls`)")
+    return name
+
+
+def _attach_pool(name: str):
+    """PoolSegment.attach(name), with an OS refusal (a directory, an empty or
+    unreadable file in SHM_DIR) raised as SegmentError too."""
+    from kvshm.core.errors import SegmentError
+    from kvshm.core.segment import SHM_DIR, PoolSegment
+
+    path = f"{SHM_DIR}/{name}"
+    try:
+        return PoolSegment.attach(name)
+    except OSError as e:
+        raise SegmentError(f"cannot open {path} as a kvshm pool: {e.strerror}") from None
+    except ValueError:  # mmap of an empty file
+        raise SegmentError(f"{path} is empty: not a kvshm pool") from None
+
+
 def cmd_check(args: argparse.Namespace) -> int:
     from kvshm.core.check import check_segment
-    from kvshm.core.segment import PoolSegment
 
-    with PoolSegment.attach(args.name) as seg:
+    name = segment_name(args.name)
+    with _attach_pool(name) as seg:
         report = check_segment(seg)
     if args.json:
-        print(json.dumps({"name": args.name, "clean": report.clean,
+        print(json.dumps({"name": name, "clean": report.clean,
                           "num_blocks": report.num_blocks,
                           "num_free_blocks": report.num_free_blocks,
                           "num_cached_blocks": report.num_cached_blocks,
                           "num_requests": report.num_requests,
                           "problems": report.problems}, indent=2))
     else:
-        print(f"pool {args.name}: {report.summary()}")
+        print(f"pool {name}: {report.summary()}")
     return 0 if report.clean else 1
 
 
@@ -119,8 +162,9 @@ def cmd_ls(args: argparse.Namespace) -> int:
 def cmd_rm(args: argparse.Namespace) -> int:
     from kvshm.core.segment import remove_segment
 
+    names = [segment_name(a) for a in args.names]  # all valid, or remove none
     status = 0
-    for name in args.names:
+    for name in names:
         try:
             remove_segment(name, force=args.force)
             print(f"removed {name}")
@@ -222,22 +266,24 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
-    from kvshm.core.segment import PoolSegment
     from kvshm.core.stats import read_stats
 
-    with PoolSegment.attach(args.name) as seg:
+    name = segment_name(args.name)
+    with _attach_pool(name) as seg:
         st = read_stats(seg)
     if args.json:
         print(json.dumps(st, indent=2))
         return 0
-    print(f"pool {args.name}: {st['num_blocks']} blocks, {st['num_free_blocks']} free, "
+    print(f"pool {name}: {st['num_blocks']} blocks, {st['num_free_blocks']} free, "
           f"{st['num_cached_blocks']} cached, {st['num_used_blocks']} used "
           f"(usage {st['usage']:.1%})")
     print(f"  requests {st['num_requests']}; prefix cache: {st['queries']} lookups, "
           f"{st['hits']} with a hit; {st['hit_tokens']} of {st['query_tokens']} tokens hit")
-    print(f"  coordinator pid {st['coordinator_pid']} "
-          f"({'alive' if st['coordinator_alive'] else 'DEAD'}), up {st['uptime_s']:.0f}s, "
-          f"generation {st['generation']}")
+    if st["coordinator_alive"]:
+        state = f"(alive), up {st['uptime_s']:.0f}s"
+    else:
+        state = f"(dead: not running; remove the stale pool with `kvshm rm {name}`)"
+    print(f"  coordinator pid {st['coordinator_pid']} {state}, generation {st['generation']}")
     for sess in st["sessions"]:
         print(f"  session {sess['session']}: {sess['requests']} requests, "
               f"{sess['blocks']} block references")

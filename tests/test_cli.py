@@ -4,13 +4,19 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
+import secrets
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+from helpers import make_config
 
 from kvshm import FullSpec, KVCacheManager, PoolConfig, Request
 from kvshm.cli import main
+from kvshm.core.segment import SHM_DIR, PoolSegment
 
 TRACES = Path(__file__).parent / "data" / "conformance" / "traces"
 ONE = TRACES / "full16-tiny-chat-s1000.jsonl.gz"
@@ -92,3 +98,128 @@ def test_bad_arguments_exit_2():
     with pytest.raises(SystemExit) as e:
         main(["replay"])
     assert e.value.code == 2
+
+
+# Above Linux's PID_MAX_LIMIT (2**22): no process can have it.
+DEAD_PID = 2**22 + 1
+
+
+@pytest.fixture
+def stale_pool():
+    """A pool segment whose recorded coordinator pid is not alive; removed at
+    teardown (also if a test already removed it)."""
+    seg = PoolSegment.create(make_config(), f"kvshm-test-{secrets.token_hex(5)}")
+    seg.set("coordinator_pid", DEAD_PID)
+    yield seg.name
+    seg.close()
+    seg.unlink()
+
+
+@pytest.fixture
+def odd_shm_entries():
+    """An empty file and a directory in SHM_DIR, named like kvshm segments."""
+    tag = secrets.token_hex(5)
+    empty, folder = f"kvshm-test-empty-{tag}", f"kvshm-test-dir-{tag}"
+    open(f"{SHM_DIR}/{empty}", "x").close()
+    os.mkdir(f"{SHM_DIR}/{folder}")
+    try:
+        yield empty, folder
+    finally:
+        os.unlink(f"{SHM_DIR}/{empty}")
+        os.rmdir(f"{SHM_DIR}/{folder}")
+
+
+def _error_line(capsys) -> str:
+    """The one line a failed command wrote to stderr (and nothing on stdout)."""
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert len(err.splitlines()) == 1, err
+    return err
+
+
+def test_check_and_stats_accept_a_path_in_dev_shm(capsys):
+    cfg = make_config()
+    with KVCacheManager(cfg, name=f"kvshm-test-{secrets.token_hex(5)}") as m:
+        path = f"{SHM_DIR}/{m.segment.name}"
+        assert main(["check", path]) == 0
+        assert capsys.readouterr().out.startswith(f"pool {m.segment.name}: clean")
+        assert main(["check", "--json", path]) == 0
+        assert json.loads(capsys.readouterr().out)["name"] == m.segment.name
+        assert main(["stats", path]) == 0
+        out = capsys.readouterr().out
+        assert out.startswith(f"pool {m.segment.name}: 10 blocks, 9 free")
+        assert f"coordinator pid {os.getpid()} (alive), up 0s" in out
+        assert main(["stats", "--json", path]) == 0
+        doc = json.loads(capsys.readouterr().out)
+        assert doc["coordinator_alive"] is True and doc["uptime_s"] >= 0
+
+
+def test_rm_accepts_a_path_in_dev_shm(stale_pool, capsys):
+    assert main(["rm", f"{SHM_DIR}/{stale_pool}"]) == 0
+    assert capsys.readouterr().out == f"removed {stale_pool}\n"
+    assert not os.path.exists(f"{SHM_DIR}/{stale_pool}")
+
+
+@pytest.mark.parametrize("command", ["check", "stats", "rm"])
+@pytest.mark.parametrize("arg", ["/tmp/kvshm-x", "sub/kvshm-x", f"{SHM_DIR}/",
+                                 f"{SHM_DIR}/sub/kvshm-x"])
+def test_a_path_outside_dev_shm_is_refused(command, arg, capsys):
+    assert main([command, arg]) == 2
+    assert _error_line(capsys) == (
+        f"kvshm {command}: {arg!r} is not a segment in {SHM_DIR}: expected a segment "
+        f"name (see `kvshm ls`) or {SHM_DIR}/NAME\n")
+
+
+@pytest.mark.parametrize("command", ["check", "stats", "rm"])
+@pytest.mark.parametrize("arg", ["", "..", "kvshm x", "x" * 201, f"{SHM_DIR}/.x*"])
+def test_a_bad_segment_name_is_refused(command, arg, capsys):
+    name = arg.rsplit("/", 1)[-1]
+    assert main([command, arg]) == 2
+    assert _error_line(capsys) == (
+        f"kvshm {command}: bad segment name {name!r}: expected 1-200 letters, digits, "
+        "'.', '_' or '-' (see `kvshm ls`)\n")
+
+
+def test_rm_removes_nothing_when_one_name_is_bad(stale_pool, capsys):
+    assert main(["rm", stale_pool, "/tmp/x"]) == 2
+    assert "'/tmp/x' is not a segment in" in _error_line(capsys)
+    assert os.path.exists(f"{SHM_DIR}/{stale_pool}")
+
+
+def test_stats_of_a_missing_segment_by_path(capsys):
+    assert main(["stats", f"{SHM_DIR}/kvshm-test-nope"]) == 2
+    assert _error_line(capsys) == \
+        "kvshm stats: no shared-memory segment named 'kvshm-test-nope'\n"
+
+
+@pytest.mark.parametrize("command", ["check", "stats"])
+def test_check_and_stats_of_an_empty_file_or_a_directory(command, odd_shm_entries, capsys):
+    empty, folder = odd_shm_entries
+    assert main([command, empty]) == 2
+    assert _error_line(capsys) == \
+        f"kvshm {command}: {SHM_DIR}/{empty} is empty: not a kvshm pool\n"
+    assert main([command, f"{SHM_DIR}/{folder}"]) == 2
+    assert _error_line(capsys).startswith(
+        f"kvshm {command}: cannot open {SHM_DIR}/{folder} as a kvshm pool: ")
+
+
+def test_the_command_prints_no_traceback_for_a_foreign_path():
+    proc = subprocess.run([sys.executable, "-m", "kvshm.cli", "check", "/tmp/kvshm-x"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert proc.stdout == ""
+    assert proc.stderr.splitlines() == [
+        f"kvshm check: '/tmp/kvshm-x' is not a segment in {SHM_DIR}: expected a segment "
+        f"name (see `kvshm ls`) or {SHM_DIR}/NAME"]
+
+
+def test_stats_of_a_dead_coordinator_has_no_uptime(stale_pool, capsys):
+    assert main(["stats", stale_pool]) == 0
+    out = capsys.readouterr().out
+    assert f"  coordinator pid {DEAD_PID} (dead: not running; remove the stale pool with " \
+        f"`kvshm rm {stale_pool}`), generation 0\n" in out
+    assert " up " not in out
+    assert main(["stats", "--json", stale_pool]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["coordinator_pid"] == DEAD_PID
+    assert doc["coordinator_alive"] is False and doc["uptime_s"] is None

@@ -18,7 +18,8 @@ from kvshm.core.table import NO_ENTRY
 def read_stats(seg: PoolSegment, timeout: float = 1.0) -> dict:
     """Blocks total/free/cached/used, usage, requests and blocks per owning
     session, prefix-cache lookups and hits, coordinator pid, liveness,
-    uptime.  Retries until it copies a state no mutation overlapped."""
+    uptime (None when the coordinator is not alive).  Retries until it
+    copies a state no mutation overlapped."""
     cfg = seg.config
     groups = len(cfg.groups)
     widths = seg.layout.widths
@@ -64,7 +65,8 @@ def read_stats(seg: PoolSegment, timeout: float = 1.0) -> dict:
         "hit_tokens": counters["hit_tokens"],
         "coordinator_pid": info["pid"],
         "coordinator_alive": info["alive"],
-        "uptime_s": (time.time_ns() - seg.get("created_ns")) / 1e9,
+        # A dead coordinator has no uptime: the clock would tick on regardless.
+        "uptime_s": (time.time_ns() - seg.get("created_ns")) / 1e9 if info["alive"] else None,
         "generation": seg.get("generation"),
         "consistent": before == after and not before & 1,
         "sessions": [{"session": k, **v} for k, v in sorted(sessions.items())],
