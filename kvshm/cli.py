@@ -94,7 +94,7 @@ def segment_name(arg: str) -> str:
         SegmentError: `arg` is a path outside SHM_DIR or not a valid name.
     """
     from kvshm.core.errors import SegmentError
-    from kvshm.core.segment import _NAME_RE, SHM_DIR
+    from kvshm.core.segment import SHM_DIR, valid_name
 
     name = arg
     if "/" in arg:
@@ -102,7 +102,7 @@ def segment_name(arg: str) -> str:
         if arg.endswith("/") or os.path.realpath(directory) != os.path.realpath(SHM_DIR):
             raise SegmentError(f"{arg!r} is not a segment in {SHM_DIR}: expected a segment "
                                f"name (see `kvshm ls`) or {SHM_DIR}/NAME")
-    if not _NAME_RE.fullmatch(name) or name in (".", ".."):
+    if not valid_name(name):
         raise SegmentError(f"bad segment name {name!r}: expected 1-200 letters, digits, "
                            "'.', '_' or '-' (see `kvshm ls`)")
     return name

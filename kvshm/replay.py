@@ -1,5 +1,8 @@
 """Conformance-trace replay in embedded mode (the core, in-process).
 
+Trace ops become protocol messages (`TraceTranslator`, shared with the
+replay through a coordinator) run by the coordinator's op executor.
+
 A trace (tests/data/conformance/FORMAT.md) is a config line followed by ops
 recorded from vLLM's own KVCacheManager; replaying it executes every op on a
 fresh kvshm pool and compares each recorded `expect` with what kvshm returned.
@@ -16,10 +19,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvshm.core.errors import DuplicateRequest, UnknownRequest
 from kvshm.core.manager import KVCacheManager
-from kvshm.core.request import Request
 from kvshm.core.specs import CrossAttentionSpec, PoolConfig
+from kvshm.service import protocol as p
+from kvshm.service.ops import OpExecutor
 
 FREE_HEAD_LEN = 64
 
@@ -53,111 +56,113 @@ def trace_pool_config(cfg: dict[str, Any], ops: list[dict[str, Any]]) -> PoolCon
     return config
 
 
+# Frees after which the scheduler reschedules the request (it keeps its state).
+_RESCHEDULED = ("preempt", "kv_load_failed")
+
+
+class TraceTranslator:
+    """Trace op -> protocol message, and reply -> the trace's `expect` shape.
+    Keeps each request's token list (a trace prompt may copy another's)."""
+
+    def __init__(self) -> None:
+        self.tokens: dict[str, list[int]] = {}
+
+    def message(self, op: dict[str, Any]):
+        name = op["op"]
+        get = op.get
+        if name == "add_request":
+            prompt = list(op["prompt"])
+            if "prefix" in op:
+                prompt = self.tokens[op["prefix"]["req"]][:op["prefix"]["len"]] + prompt
+            self.tokens[op["req"]] = list(prompt)  # grows with advances; the message must not
+            return p.AddRequest(op["req"], prompt, None, 0, get("lora_name"),
+                                get("cache_salt"), bool(get("skip_prefix_cache_read")))
+        if name == "advance":
+            append = get("append") or []
+            self.tokens[op["req"]].extend(append)
+            return p.Advance(op["req"], op["num_computed_tokens"], append)
+        if name == "get_computed_blocks":
+            return p.GetComputedBlocks(op["req"])
+        if name == "allocate_slots":
+            return p.AllocateSlots(
+                op["req"], op["num_new_tokens"], get("num_new_computed_tokens", 0),
+                bool(get("use_computed_blocks")), get("num_lookahead_tokens", 0),
+                get("num_external_computed_tokens", 0), bool(get("delay_cache_blocks")),
+                get("num_encoder_tokens", 0))
+        if name == "cache_blocks":
+            return p.CacheBlocks(op["req"], op["num_computed_tokens"])
+        if name == "remove_skipped_blocks":
+            return p.RemoveSkippedBlocks(op["req"], op["total_computed_tokens"])
+        if name == "free":
+            return p.Free(op["req"], get("reason") in _RESCHEDULED)
+        if name == "get_block_ids":
+            return p.GetBlockIds(op["req"])
+        if name == "num_common_prefix_blocks":
+            return p.NumCommonPrefixBlocks(op["req"])
+        if name == "reset_prefix_cache":
+            return p.ResetPrefixCache()
+        if name == "evict_blocks":
+            return p.EvictBlocks(op["block_ids"])
+        if name == "usage":
+            return p.GetStats()
+        if name == "check":
+            return p.GetStats(FREE_HEAD_LEN)
+        raise ValueError(f"unknown op {name!r}")
+
+    @staticmethod
+    def got(op: dict[str, Any], reply) -> dict[str, Any] | None:
+        cls = reply.__class__
+        if cls is p.Error:
+            return {"error": reply.code, "message": reply.message}
+        name = op["op"]
+        if cls is p.Done:
+            return None
+        if cls is p.ComputedBlocks:
+            return {"block_ids": _lists(reply.block_ids),
+                    "num_computed_tokens": reply.num_computed_tokens}
+        if cls is p.Allocated:
+            new = reply.new_block_ids
+            return {"new_block_ids": None if new is None else _lists(new),
+                    "num_free_blocks": reply.num_free_blocks}
+        if cls is p.FreeBlocks:
+            return {"num_free_blocks": reply.num_free_blocks}
+        if cls is p.BlockIds:
+            return {"block_ids": _lists(reply.block_ids)}
+        if cls is p.CommonPrefix:
+            return {"num_blocks": reply.num_blocks}
+        if cls is p.ResetResult:
+            return {"ok": reply.ok}
+        if cls is p.Stats:
+            if name == "usage":
+                return {"usage": reply.usage}
+            return {"num_free_blocks": reply.num_free_blocks, "free_head": reply.free_head}
+        raise ValueError(f"unexpected reply {reply!r} to {name}")
+
+
+def _lists(groups) -> list[list[int]]:
+    """Block ids per group as lists (the executor's replies may hold the
+    core's tuples; decoded replies hold lists)."""
+    return [g if g.__class__ is list else list(g) for g in groups]
+
+
 class EmbeddedReplayer:
-    """Executes trace ops on a `KVCacheManager`, keeping request state as a
-    scheduler would."""
+    """Executes trace ops on an in-process pool through the op executor (the
+    coordinator's own request upkeep), as one admin session."""
 
     def __init__(self, config: PoolConfig) -> None:
         self.mgr = KVCacheManager(config)
-        self.hasher = self.mgr.make_hasher()
-        self.reqs: dict[str, Request] = {}
-        self.last_computed: dict[str, Any] = {}
-        self._dispatch = {name[3:]: getattr(self, name) for name in dir(self)
-                          if name.startswith("op_")}
+        self.executor = OpExecutor(self.mgr)
+        self.owner = self.executor.open_owner(1, admin=True)
+        self.translator = TraceTranslator()
 
     def close(self) -> None:
         self.mgr.close()
 
     def apply(self, op: dict[str, Any]) -> dict[str, Any] | None:
-        fn = self._dispatch.get(op["op"])
-        if fn is None:
-            raise ValueError(f"unknown op {op['op']!r}")
-        return fn(op)
-
-    def _req(self, rid: str) -> Request:
-        req = self.reqs.get(rid)
-        if req is None:
-            raise UnknownRequest(rid)
-        return req
-
-    def op_add_request(self, op):
-        rid = op["req"]
-        if rid in self.reqs:
-            raise DuplicateRequest(rid)
-        prompt = op["prompt"]
-        prefix = op.get("prefix")
-        if prefix:
-            prompt = self._req(prefix["req"]).all_token_ids[:prefix["len"]] + prompt
-        self.reqs[rid] = Request(
-            rid, prompt, self.hasher,
-            lora_name=op.get("lora_name"), cache_salt=op.get("cache_salt"),
-            skip_reading_prefix_cache=bool(op.get("skip_prefix_cache_read", False)))
-        return None
-
-    def op_get_computed_blocks(self, op):
-        req = self._req(op["req"])
-        blocks, n = self.mgr.get_computed_blocks(req)
-        self.last_computed[req.request_id] = blocks
-        return {"block_ids": [list(g) for g in blocks], "num_computed_tokens": n}
-
-    def op_allocate_slots(self, op):
-        req = self._req(op["req"])
-        get = op.get
-        res = self.mgr.allocate_slots(
-            req, op["num_new_tokens"],
-            num_new_computed_tokens=get("num_new_computed_tokens", 0),
-            new_computed_blocks=(self.last_computed[req.request_id]
-                                 if get("use_computed_blocks") else None),
-            num_lookahead_tokens=get("num_lookahead_tokens", 0),
-            num_external_computed_tokens=get("num_external_computed_tokens", 0),
-            delay_cache_blocks=get("delay_cache_blocks", False),
-            num_encoder_tokens=get("num_encoder_tokens", 0))
-        return {"new_block_ids": None if res is None else list(res),
-                "num_free_blocks": self.mgr.num_free_blocks}
-
-    def op_advance(self, op):
-        req = self._req(op["req"])
-        req.num_computed_tokens = op["num_computed_tokens"]
-        append = op.get("append")
-        if append:
-            req.append_token_ids(append)
-        return None
-
-    def op_cache_blocks(self, op):
-        self.mgr.cache_blocks(self._req(op["req"]), op["num_computed_tokens"])
-        return None
-
-    def op_remove_skipped_blocks(self, op):
-        self.mgr.remove_skipped_blocks(op["req"], op["total_computed_tokens"])
-        return {"num_free_blocks": self.mgr.num_free_blocks}
-
-    def op_free(self, op):
-        req = self._req(op["req"])
-        self.mgr.free(req)
-        if op.get("reason") == "preempt":
-            req.num_preemptions += 1
-        return {"num_free_blocks": self.mgr.num_free_blocks}
-
-    def op_get_block_ids(self, op):
-        return {"block_ids": list(self.mgr.get_block_ids(op["req"]))}
-
-    def op_num_common_prefix_blocks(self, op):
-        return {"num_blocks": self.mgr.get_num_common_prefix_blocks(op["req"])}
-
-    def op_reset_prefix_cache(self, op):
-        return {"ok": self.mgr.reset_prefix_cache()}
-
-    def op_evict_blocks(self, op):
-        self.mgr.evict_blocks(op["block_ids"])
-        return {"num_free_blocks": self.mgr.num_free_blocks}
-
-    def op_usage(self, op):
-        return {"usage": self.mgr.usage}
-
-    def op_check(self, op):
-        pool = self.mgr.block_pool
-        return {"num_free_blocks": pool.num_free_blocks,
-                "free_head": pool.free_queue(FREE_HEAD_LEN)}
+        """Run one trace op; its result in the trace's `expect` shape (an
+        error reply as {"error": code, "message": ...})."""
+        tr = self.translator
+        return tr.got(op, self.executor.execute(self.owner, tr.message(op)))
 
 
 @dataclass
@@ -183,9 +188,20 @@ def differs(op: dict[str, Any], got: dict[str, Any] | None) -> bool:
     return want != got
 
 
+def check_reply(op, got, line: int) -> Mismatch | None:
+    """The mismatch of reply  (the trace shape) to  at , or None."""
+    if got is not None and "error" in got:
+        return Mismatch(line, op["op"], op.get("req", ""), op.get("expect"),
+                        f"error {got['error']}: {got['message']}")
+    if differs(op, got):
+        return Mismatch(line, op["op"], op.get("req", ""), op.get("expect"), got)
+    return None
+
+
 def replay_ops(replayer: EmbeddedReplayer, ops: list[dict[str, Any]]) -> Mismatch | None:
     """Run every op; the first mismatch (line numbers count the config line
-    as line 1), or None.  An exception from kvshm counts as a mismatch."""
+    as line 1), or None.  An error reply, or an exception from kvshm, counts
+    as a mismatch."""
     apply = replayer.apply
     for i, op in enumerate(ops):
         try:
@@ -193,8 +209,8 @@ def replay_ops(replayer: EmbeddedReplayer, ops: list[dict[str, Any]]) -> Mismatc
         except Exception as e:  # noqa: BLE001 - reported as the mismatch
             return Mismatch(i + 2, op["op"], op.get("req", ""), op.get("expect"),
                             f"raised {type(e).__name__}: {e}")
-        if differs(op, got):
-            return Mismatch(i + 2, op["op"], op.get("req", ""), op.get("expect"), got)
+        if (m := check_reply(op, got, i + 2)) is not None:
+            return m
     return None
 
 

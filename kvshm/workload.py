@@ -8,9 +8,9 @@ out, as vLLM's scheduler does.  Used by `kvshm demo` and the benchmarks.
 The loop exists once, sans-IO: `Scheduler.run()` (over `make_requests`'
 deterministic request set) yields each backend call as `(method, *args)` and
 is sent the reply; `drive(backend, spec)` runs it against a synchronous
-backend such as `EmbeddedBackend` (an in-process `KVCacheManager`; its
-methods document the interface; scripts/bench_service.py wraps it to record
-protocol structs); `run_workload(mgr, spec)` is `drive` on one, timed.  An
+backend such as `EmbeddedBackend` (the coordinator's op executor on an
+in-process `KVCacheManager`; its methods document the interface;
+scripts/bench_service.py records the protocol ops it runs); `run_workload(mgr, spec)` is `drive` on one, timed.  An
 async backend (a worker talking to the coordinator) needs no second copy of
 the loop, only a second driver that awaits each call::
 
@@ -33,7 +33,9 @@ from collections.abc import Generator
 from dataclasses import dataclass, field
 
 from kvshm.core.manager import KVCacheManager
-from kvshm.core.request import Request
+from kvshm.service import protocol as p
+from kvshm.service.errors import error_from_wire
+from kvshm.service.ops import OpExecutor
 
 
 @dataclass(frozen=True)
@@ -206,49 +208,55 @@ def drive(backend, spec: WorkloadSpec | Scheduler = WorkloadSpec()) -> WorkloadR
 
 
 class EmbeddedBackend:
-    """The scheduler's calls on an in-process `KVCacheManager`, one `Request`
-    per `Seq`; counts the manager calls and the peak pool usage."""
+    """The scheduler's calls as protocol ops run by the coordinator's op
+    executor on an in-process `KVCacheManager` (one session), so embedded
+    runs keep the coordinator's request upkeep exactly; counts the manager
+    calls and the peak pool usage.  `run_op` is the one place ops go
+    through (scripts/bench_service.py overrides it to record them)."""
 
     def __init__(self, mgr: KVCacheManager) -> None:
         self.mgr = mgr
         self.max_model_len = mgr.max_model_len
-        self.hasher = mgr.make_hasher()
-        self.reqs: dict[str, Request] = {}
-        self.built: dict[str, Request] = {}
+        self.executor = OpExecutor(mgr)
+        self.owner = self.executor.open_owner(1)
         self.calls = 0
         self.peak_usage = 0.0
 
-    def prebuild(self, seqs: list[Seq]) -> None:
-        """Build (hash) the requests ahead of `add`, e.g. outside a timing."""
-        self.built.update((s.rid, Request(s.rid, s.prompt, self.hasher)) for s in seqs)
+    def run_op(self, op):
+        """Execute one protocol op; its reply (an error reply raises it)."""
+        reply = self.executor.execute(self.owner, op)
+        if reply.__class__ is p.Error:
+            raise error_from_wire(reply.code, reply.message)
+        return reply
 
     def add(self, seq: Seq) -> None:
         """A new request (its prompt), before its first lookup."""
-        req = self.built.pop(seq.rid, None)
-        self.reqs[seq.rid] = req or Request(seq.rid, seq.prompt, self.hasher)
+        self.run_op(p.AddRequest(seq.rid, seq.prompt))
 
     def lookup(self, seq: Seq):
         """Prefix-cache hits of a waiting request: (blocks, num hit tokens)."""
         self.calls += 1
-        return self.mgr.get_computed_blocks(self.reqs[seq.rid])
+        r = self.run_op(p.GetComputedBlocks(seq.rid))
+        return r.block_ids, r.num_computed_tokens
 
     def allocate(self, seq: Seq, n: int, num_hit: int = 0, hits=None):
-        """Slots for `n` new tokens (after `num_hit` cached ones, `hits` from
-        `lookup`, on admission): the new block ids, or None if out of blocks."""
+        """Slots for `n` new tokens (after `num_hit` cached ones on admission,
+        with the hits of the last `lookup` when `hits` is given): the new
+        block ids, or None if out of blocks."""
         self.calls += 1
-        return self.mgr.allocate_slots(self.reqs[seq.rid], n, num_hit, hits)
+        op = (p.AllocateSlots(seq.rid, n) if hits is None
+              else p.AllocateSlots(seq.rid, n, num_hit, True))
+        return self.run_op(op).new_block_ids
 
     def free(self, seq: Seq, preempted: bool) -> None:
         """Free the request's blocks; a preempted request is kept (and re-admitted)."""
         self.calls += 1
-        self.mgr.free(self.reqs[seq.rid] if preempted else self.reqs.pop(seq.rid))
+        self.run_op(p.Free(seq.rid, True) if preempted else p.Free(seq.rid))
 
     def advance(self, seq: Seq, num_computed_tokens: int, appended) -> None:
         """Bookkeeping: set the computed-token count, append sampled tokens."""
-        req = self.reqs[seq.rid]
-        req.num_computed_tokens = num_computed_tokens
-        if appended:
-            req.append_token_ids(appended)
+        self.run_op(p.Advance(seq.rid, num_computed_tokens, list(appended)) if appended
+                    else p.Advance(seq.rid, num_computed_tokens))
 
     def scheduled(self) -> None:
         """This step's scheduling is done; the model runs next."""
@@ -262,7 +270,6 @@ def run_workload(mgr: KVCacheManager, spec: WorkloadSpec = WorkloadSpec()) -> Wo
     """Drive `mgr` through `spec`; every request is freed at the end."""
     backend = EmbeddedBackend(mgr)
     sched = Scheduler(spec, mgr.max_model_len)
-    backend.prebuild(sched.requests)     # request set-up is not timed
     t0 = time.perf_counter()
     res = drive(backend, sched)
     res.seconds = time.perf_counter() - t0

@@ -63,7 +63,6 @@ import socket
 import statistics
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import traceback
@@ -78,10 +77,11 @@ import msgspec  # noqa: E402
 import psutil  # noqa: E402
 
 from kvshm.core.manager import KVCacheManager  # noqa: E402
-from kvshm.core.request import Request  # noqa: E402
+from kvshm.service.ops import OpExecutor  # noqa: E402
 from kvshm.core.segment import SHM_DIR, remove_segment  # noqa: E402
 from kvshm.core.specs import FullSpec, PoolConfig  # noqa: E402
 from kvshm.service import protocol as p  # noqa: E402
+from kvshm.service.client import read_admin_token  # noqa: E402
 from kvshm.service.process import CoordinatorProcess  # noqa: E402
 from kvshm.workload import EmbeddedBackend, WorkloadSpec, drive  # noqa: E402
 
@@ -108,43 +108,26 @@ class Recording:
 
 
 class RecordingBackend(EmbeddedBackend):
-    """kvshm.workload's embedded backend that also records every call (and
-    the request upkeep a coordinator needs: add, advance) as protocol
-    structs, one list per scheduler step, with the recording's counters."""
+    """kvshm.workload's embedded backend that also records every protocol op
+    it runs, one list per scheduler step, with the recording's counters."""
 
     def __init__(self, mgr: KVCacheManager) -> None:
         super().__init__(mgr)
         self.rec = Recording([], [])
         self.ops: list = []
 
-    def add(self, seq) -> None:
-        self.ops.append(p.AddRequest(seq.rid, seq.prompt))
-        super().add(seq)
-
-    def lookup(self, seq):
-        self.ops.append(p.GetComputedBlocks(seq.rid))
-        blocks, num_hit = super().lookup(seq)
-        self.rec.hits.append(num_hit)
-        return blocks, num_hit
-
-    def allocate(self, seq, n, num_hit=0, hits=None):
-        self.ops.append(p.AllocateSlots(seq.rid, n) if hits is None
-                        else p.AllocateSlots(seq.rid, n, num_hit, True))
-        res = super().allocate(seq, n, num_hit, hits)
-        if res is None:
-            self.rec.failed_allocs += 1
-        else:
-            self.rec.new_blocks += sum(len(g) for g in res)
-        return res
-
-    def free(self, seq, preempted) -> None:
-        self.ops.append(p.Free(seq.rid, True) if preempted else p.Free(seq.rid))
-        super().free(seq, preempted)
-
-    def advance(self, seq, num_computed_tokens, appended) -> None:
-        self.ops.append(p.Advance(seq.rid, num_computed_tokens, list(appended)) if appended
-                        else p.Advance(seq.rid, num_computed_tokens))
-        super().advance(seq, num_computed_tokens, appended)
+    def run_op(self, op):
+        self.ops.append(op)
+        reply = super().run_op(op)
+        cls = reply.__class__
+        if cls is p.ComputedBlocks:
+            self.rec.hits.append(reply.num_computed_tokens)
+        elif cls is p.Allocated:
+            if reply.new_block_ids is None:
+                self.rec.failed_allocs += 1
+            else:
+                self.rec.new_blocks += sum(len(g) for g in reply.new_block_ids)
+        return reply
 
     def end_step(self) -> None:
         self.rec.steps.append(self.ops)
@@ -192,50 +175,21 @@ def build_frames(steps: list[list], hits: list[int], batch: int, prefix: str = "
 # Embedded execution of recorded ops (no socket)
 # =============================================================================
 class Embedded:
-    """Executes protocol structs directly on a KVCacheManager, keeping the
-    request objects a scheduler keeps."""
+    """Executes recorded protocol structs with the coordinator's op executor
+    on a KVCacheManager (no socket, no codec)."""
 
     def __init__(self, mgr: KVCacheManager) -> None:
-        self.mgr = mgr
-        self.hasher = mgr.make_hasher()
-        self.reqs: dict[str, Request] = {}
-        self.hits: dict[str, object] = {}
+        self.executor = OpExecutor(mgr)
+        self.owner = self.executor.open_owner(1)
         self.failed = 0
-        self.dispatch = {p.AddRequest: self.add, p.GetComputedBlocks: self.lookup,
-                         p.AllocateSlots: self.alloc, p.Advance: self.advance,
-                         p.Free: self.free}
-
-    def add(self, op) -> None:
-        self.reqs[op.req] = Request(op.req, op.prompt, self.hasher)
-
-    def lookup(self, op) -> None:
-        blocks, _ = self.mgr.get_computed_blocks(self.reqs[op.req])
-        self.hits[op.req] = blocks
-
-    def alloc(self, op) -> None:
-        res = self.mgr.allocate_slots(
-            self.reqs[op.req], op.num_new_tokens, op.num_new_computed_tokens,
-            self.hits.get(op.req) if op.use_computed_blocks else None)
-        if res is None:
-            self.failed += 1
-
-    def advance(self, op) -> None:
-        req = self.reqs[op.req]
-        req.num_computed_tokens = op.num_computed_tokens
-        if op.append:
-            req.append_token_ids(op.append)
-
-    def free(self, op) -> None:
-        self.mgr.free(op.req)
-        if not op.preempted:
-            del self.reqs[op.req]
-            self.hits.pop(op.req, None)
 
     def run(self, steps: list[list]) -> None:
-        d = self.dispatch
+        execute, owner = self.executor.execute, self.owner
         for step in steps:
             for op in step:
-                d[op.__class__](op)
+                r = execute(owner, op)
+                if r.__class__ is p.Allocated and r.new_block_ids is None:
+                    self.failed += 1
 
 
 def bench_embedded(config: PoolConfig, rec: Recording, runs: int) -> dict:
@@ -257,27 +211,21 @@ def bench_embedded(config: PoolConfig, rec: Recording, runs: int) -> dict:
 
 def bench_inprocess(config: PoolConfig, rec: Recording, batch: int, runs: int,
                     profile: bool) -> tuple[dict, str | None]:
-    """The coordinator's own cost of the recorded frames: Coordinator._handle
-    (decode, dispatch, reply struct) + encode_frame, in this process, no
-    socket; and the client's codec cost (encode frames, decode replies)."""
-    from kvshm.service.server import Coordinator, Session
-
-    tmp = tempfile.TemporaryDirectory(prefix="kvshm-bench-")
-    coord = Coordinator(config, name=f"kvshm-bench-{os.getpid()}-{os.urandom(3).hex()}",
-                        socket_path=Path(tmp.name) / "unused.sock")
+    """The coordinator's own cost of the recorded frames: decode each body,
+    run it with the op executor, encode the reply frame, in this process,
+    no socket; and the client's codec cost (encode frames, decode replies)."""
+    mgr = KVCacheManager(config, name=f"kvshm-bench-{os.getpid()}-{os.urandom(3).hex()}")
     try:
-        s = Session(coord)
-        s.id = 1
-        s.hello = p.Hello(p.PROTOCOL_VERSION, os.getpid(), coord.fingerprint)
-        s.hasher = coord._hasher_for("")
-        coord.sessions[1] = s
+        executor = OpExecutor(mgr)
+        owner = executor.open_owner(1, admin=True)
+        decode = msgspec.msgpack.Decoder(p.Message).decode
         enc = msgspec.msgpack.Encoder()
-        handle, encode_frame = coord._handle, p.encode_frame
+        execute, encode_frame = executor.execute, p.encode_frame
         times, profile_text = [], None
         for r in range(runs + (1 if profile else 0)):
             frames, _, _ = build_frames(rec.steps, rec.hits, batch, f"ip{r}-")
             bodies = [enc.encode(f) for f in frames]
-            if not coord.mgr.reset_prefix_cache():
+            if not mgr.reset_prefix_cache():
                 raise RuntimeError("reset_prefix_cache failed between in-process runs")
             prof = cProfile.Profile() if r == runs else None
             replies = []
@@ -286,7 +234,7 @@ def bench_inprocess(config: PoolConfig, rec: Recording, batch: int, runs: int,
             if prof is not None:
                 prof.enable()
             for body in bodies:
-                replies.append(encode_frame(handle(s, body)))
+                replies.append(encode_frame(execute(owner, decode(body))))
             if prof is not None:
                 prof.disable()
                 out = io.StringIO()
@@ -315,10 +263,8 @@ def bench_inprocess(config: PoolConfig, rec: Recording, batch: int, runs: int,
                  "request_bytes_per_op": sum(map(len, bodies)) / n,
                  "error_replies": errors}, profile_text)
     finally:
-        for sess in list(coord.sessions.values()):
-            coord._end_session(sess)
-        coord.mgr.close()
-        tmp.cleanup()
+        executor.close_owner(owner)
+        mgr.close()
 
 
 # =============================================================================
@@ -419,7 +365,9 @@ class SyncConn:
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.connect(str(path))
         self.dec = msgspec.msgpack.Decoder(p.ServerMessage)
-        w = self.call(p.Hello(p.PROTOCOL_VERSION, os.getpid(), _fingerprint(config)))
+        # An admin session: reset_pool() empties the prefix cache between runs.
+        w = self.call(p.Hello(p.PROTOCOL_VERSION, os.getpid(), _fingerprint(config),
+                              admin_token=read_admin_token(path)))
         if w.__class__ is not p.Welcome:
             raise RuntimeError(f"handshake refused: {w}")
 
@@ -754,7 +702,7 @@ def bench_rss(config: PoolConfig, rec: Recording, total_ops: int, every: int,
 
         async def run() -> dict:
             c = await connect(coord.socket, hash_algorithm=config.hash_algorithm,
-                              hash_seed=config.hash_seed)
+                              hash_seed=config.hash_seed, admin=True)
             samples = [sample(0)]
             ops = rounds = errors = failed = mismatches = 0
             busy = 0.0

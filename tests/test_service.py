@@ -30,6 +30,7 @@ from kvshm.service import protocol as p
 from kvshm.service.client import connect
 from kvshm.service.errors import ConnectionLost, Forbidden, HashMismatch, NotOwner
 from kvshm.service.ipc_replay import replay_trace_ipc
+from kvshm.service.ops import OpExecutor
 from kvshm.service.process import CoordinatorProcess
 from kvshm.service.server import Coordinator, default_socket_path
 
@@ -50,72 +51,56 @@ def assert_pool_clean(coord: Coordinator) -> None:
 
 # -- every message type, checked against embedded mode -----------------------------------
 class Mirror:
-    """The same calls on an embedded KVCacheManager, in the shapes the client
-    returns."""
+    """The same calls run by the op executor on an embedded KVCacheManager
+    (no socket, no codec), in the shapes the client returns."""
 
     def __init__(self, config) -> None:
         self.mgr = KVCacheManager(config)
-        self.hasher = self.mgr.make_hasher()
-        self.reqs: dict[str, Request] = {}
-        self.hits: dict[str, tuple] = {}
+        self.executor = OpExecutor(self.mgr)
+        self.owner = self.executor.open_owner(1, admin=True)
+
+    def run(self, op):
+        reply = self.executor.execute(self.owner, op)
+        assert reply.__class__ is not p.Error, reply
+        return reply
 
     def add(self, rid, prompt=None, *, block_hashes=None, num_tokens=0):
-        if prompt is not None:
-            self.reqs[rid] = Request(rid, prompt, self.hasher)
-        else:
-            self.reqs[rid] = Request.from_block_hashes(rid, block_hashes, num_tokens,
-                                                       self.hasher)
+        self.run(p.AddRequest(rid, prompt, block_hashes, num_tokens))
 
     def advance(self, rid, n, append=(), *, append_hashes=(), num_appended=0):
-        req = self.reqs[rid]
-        if append_hashes or num_appended:
-            req.append_block_hashes(list(append_hashes), num_appended)
-        elif append:
-            req.append_token_ids(append)
-        req.num_computed_tokens = n
+        self.run(p.Advance(rid, n, list(append), list(append_hashes), num_appended))
 
     def get_computed_blocks(self, rid):
-        blocks, n = self.mgr.get_computed_blocks(self.reqs[rid])
-        self.hits[rid] = blocks
-        return ids(blocks), n
+        r = self.run(p.GetComputedBlocks(rid))
+        return ids(r.block_ids), r.num_computed_tokens
 
     def allocate_slots(self, rid, n, nc=0, *, use_computed_blocks=False, **kw):
-        hits = self.hits.get(rid) if use_computed_blocks else None
-        return ids(self.mgr.allocate_slots(self.reqs[rid], n, nc, hits, **kw))
+        return ids(self.run(p.AllocateSlots(rid, n, nc, use_computed_blocks,
+                                            **kw)).new_block_ids)
 
     def cache_blocks(self, rid, n):
-        self.mgr.cache_blocks(self.reqs[rid], n)
+        self.run(p.CacheBlocks(rid, n))
 
     def free(self, rid, *, preempted=False):
-        self.mgr.free(rid)
-        if not preempted:
-            del self.reqs[rid]
-        return self.mgr.num_free_blocks
+        return self.run(p.Free(rid, preempted)).num_free_blocks
 
     def remove_skipped_blocks(self, rid, n):
-        self.mgr.remove_skipped_blocks(rid, n)
-        return self.mgr.num_free_blocks
+        return self.run(p.RemoveSkippedBlocks(rid, n)).num_free_blocks
 
     def get_block_ids(self, rid):
-        return ids(self.mgr.get_block_ids(rid))
+        return ids(self.run(p.GetBlockIds(rid)).block_ids)
 
     def get_num_common_prefix_blocks(self, rid):
-        return self.mgr.get_num_common_prefix_blocks(rid)
+        return self.run(p.NumCommonPrefixBlocks(rid)).num_blocks
 
     def reset_prefix_cache(self):
-        return self.mgr.reset_prefix_cache()
+        return self.run(p.ResetPrefixCache()).ok
 
     def evict_blocks(self, block_ids):
-        self.mgr.evict_blocks(block_ids)
-        return self.mgr.num_free_blocks
+        return self.run(p.EvictBlocks(list(block_ids))).num_free_blocks
 
     def stats(self, free_head=0) -> dict:
-        pool = self.mgr.block_pool
-        return dict(num_blocks=self.mgr.config.num_blocks,
-                    num_free_blocks=pool.num_free_blocks,
-                    num_cached_blocks=pool.num_cached_blocks, usage=pool.get_usage(),
-                    num_requests=len(self.mgr.table), **self.mgr.prefix_cache_stats,
-                    free_head=pool.free_queue(free_head) if free_head else [])
+        return stats_dict(self.run(p.GetStats(free_head)))
 
 
 def stats_dict(s: p.Stats) -> dict:
@@ -132,7 +117,7 @@ async def test_every_operation_matches_embedded_mode(coordinator):
     coord = await coordinator(HYBRID)
     e = Mirror(HYBRID)
     try:
-        async with await client(coord) as c:
+        async with await client(coord, admin=True) as c:
             assert c.config == HYBRID
             assert c.pool_segment == coord.name
             assert c.session_id in coord.sessions
@@ -177,12 +162,12 @@ async def test_every_operation_matches_embedded_mode(coordinator):
 
             # preempted: blocks freed, the request kept (it can be looked up again)
             await both("free", "r1", preempted=True)
-            assert "r1" in coord.requests
+            assert "r1" in coord.executor.requests
             assert await both("get_block_ids", "r1") == [[], []]
             await both("get_computed_blocks", "r1")
             # finished: forgotten
             await both("free", "r1")
-            assert "r1" not in coord.requests
+            assert "r1" not in coord.executor.requests
             with pytest.raises(UnknownRequest):
                 await c.free("r1")
 
@@ -285,14 +270,14 @@ async def test_two_sessions_cannot_touch_each_others_requests(coordinator):
         with pytest.raises(DuplicateRequest):
             await b.add_request("a1", tokens(0, 4))
         assert (coord.mgr.num_free_blocks, coord.mgr.block_pool.num_cached_blocks) == before
-        assert coord.requests["a1"].owner.id == a.session_id
+        assert coord.executor.requests["a1"].owner.id == a.session_id
         # the owner still has it, untouched
         assert await a.get_block_ids("a1") == [[1, 2, 3]]
-        assert coord.requests["a1"].request.num_tokens == 10
+        assert coord.executor.requests["a1"].request.num_tokens == 10
         assert await a.free("a1") == 63
         # once the owner forgot it, the id is free for anyone
         await b.add_request("a1", tokens(0, 4))
-        assert coord.requests["a1"].owner.id == b.session_id
+        assert coord.executor.requests["a1"].owner.id == b.session_id
         assert_pool_clean(coord)
 
 
@@ -314,7 +299,7 @@ async def test_a_clean_close_frees_the_sessions_requests(coordinator):
     assert type(ei.value).__name__ == "ConnectionClosed"
     await until(lambda: sid not in coord.sessions)
     assert coord.mgr.num_free_blocks == 61
-    assert set(coord.requests) == {"keep"}
+    assert set(coord.executor.requests) == {"keep"}
     assert len(coord.mgr.table) == 1
     assert_pool_clean(coord)
     # the freed requests' blocks stay cached: the other session hits them
@@ -322,7 +307,7 @@ async def test_a_clean_close_frees_the_sessions_requests(coordinator):
     assert (await other.get_computed_blocks("again"))[1] == 8
     await other.close()
     await until(lambda: not coord.sessions)
-    assert coord.mgr.num_free_blocks == 63 and not coord.requests
+    assert coord.mgr.num_free_blocks == 63 and not coord.executor.requests
 
 
 async def test_connect_to_nothing_is_connection_lost(sockdir):

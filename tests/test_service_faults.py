@@ -90,8 +90,9 @@ class Raw:
         self.send_msgs(msg)
         return await self.recv()
 
-    async def hello(self) -> p.Welcome:
-        w = await self.call(HELLO)
+    async def hello(self, admin_token: str = "") -> p.Welcome:
+        w = await self.call(msgspec.structs.replace(HELLO, admin_token=admin_token)
+                            if admin_token else HELLO)
         assert isinstance(w, p.Welcome), w
         return w
 
@@ -120,7 +121,7 @@ def snapshot(coord: Coordinator) -> dict:
         "blocks": {rid: [list(g) for g in mgr.get_block_ids(rid)] for rid in mgr.table.slot_of},
         "stats": mgr.prefix_cache_stats,
         "requests": {rid: (st.owner.id, st.request.num_tokens, st.request.num_computed_tokens,
-                           len(st.request.block_hashes)) for rid, st in coord.requests.items()},
+                           len(st.request.block_hashes)) for rid, st in coord.executor.requests.items()},
     }
 
 
@@ -247,6 +248,14 @@ CASES = {
                    False),
     "batch-too-large": (True, [], f(p.Batch([p.GetStats()] * 9)), "BATCH_TOO_LARGE", "at most 8",
                         False),
+    # pool-wide destructive ops and the free queue need an admin session
+    "reset-not-admin": ("plain", [], f(p.ResetPrefixCache()), "FORBIDDEN", "admin", False),
+    "evict-not-admin": ("plain", [], f(p.EvictBlocks([1, 2])), "FORBIDDEN", "admin", False),
+    "evict-not-admin-in-batch": ("plain", [], f(p.Batch([p.GetStats(), p.EvictBlocks([1])])),
+                                 "FORBIDDEN", "admin", False),
+    "free-queue-not-admin": ("plain", [], f(p.GetStats(4)), "FORBIDDEN", "admin", False),
+    "wrong-admin-token": (False, [], f(msgspec.structs.replace(HELLO, admin_token="guess")),
+                          "FORBIDDEN", "wrong admin token", True),
     # handshake
     "op-before-hello": (False, [], f(p.GetStats()), "HANDSHAKE_REQUIRED", "Hello", False),
     "add-before-hello": (False, [], f(p.AddRequest("x", [1])), "HANDSHAKE_REQUIRED", "Hello",
@@ -281,8 +290,8 @@ async def test_bad_input_gets_a_typed_error_and_changes_nothing(populated, case)
     raw = await Raw.open(coord.socket_path)
     try:
         await until(lambda: len(coord.sessions) == n0 + 1)
-        if handshake:
-            await raw.hello()
+        if handshake:   # "plain": an ordinary session; True: an admin one
+            await raw.hello(coord.admin_token if handshake is True else "")
         for fr in setup:
             raw.send(fr)
             reply = await raw.recv()
@@ -375,7 +384,7 @@ async def test_a_truncated_frame_then_close_releases_the_session(populated):
     await raw.close()
     await until(lambda: welcome.session_id not in coord.sessions)
     after = snapshot(coord)
-    assert after["free"] == before["free"] and "t1" not in coord.requests
+    assert after["free"] == before["free"] and "t1" not in coord.executor.requests
     assert after["table"] == before["table"]
     # the coordinator keeps serving others
     assert await holder.get_block_ids("held") == before["blocks"]["held"]
@@ -395,7 +404,7 @@ async def test_oversized_frame_with_a_small_limit_closes_only_that_connection(co
         await raw.expect_eof()
         await raw.close()
         await until(lambda: len(coord.sessions) == 1)
-        assert "big" not in coord.requests and "fits" not in coord.requests
+        assert "big" not in coord.executor.requests and "fits" not in coord.executor.requests
         assert snapshot(coord)["free"] == before["free"]
         assert (await ok.stats()).num_sessions == 1
 
@@ -434,7 +443,7 @@ async def test_a_large_batch_reply_does_not_kill_the_session(coordinator):
         except KvshmError as e:  # a typed refusal would do; losing the session does not
             assert c._wire.lost is None, repr(e)
         assert await c.get_block_ids("kept") == [[1, 2]]
-        assert "kept" in coord.requests
+        assert "kept" in coord.executor.requests
 
 
 # -- a client killed while holding requests ----------------------------------------------------------
@@ -472,7 +481,7 @@ async def test_sigkilled_client_frees_everything_within_a_second(coordinator):
             line = (await asyncio.wait_for(proc.stdout.readline(), 20)).decode()
             assert line.startswith("ready"), line
             sid = int(line.split()[1])
-            assert len(coord.sessions[sid].requests) == 100
+            assert len(coord.sessions[sid].owner.requests) == 100
             assert coord.mgr.num_free_blocks == free0 - 300
             assert len(coord.mgr.table) == 101
             proc.kill()
@@ -485,7 +494,7 @@ async def test_sigkilled_client_frees_everything_within_a_second(coordinator):
             await proc.wait()
         assert elapsed < 1.0
         assert sid not in coord.sessions
-        assert set(coord.requests) == {"survivor"}
+        assert set(coord.executor.requests) == {"survivor"}
         assert len(coord.mgr.table) == 1
         pool = coord.mgr.block_pool
         assert len(pool.free_queue()) == free0
@@ -498,7 +507,7 @@ async def test_sigkilled_client_frees_everything_within_a_second(coordinator):
 # -- cancelled and timed-out calls ---------------------------------------------------------------------
 async def test_cancelled_and_timed_out_calls_leave_the_connection_in_sync(coordinator):
     coord = await coordinator()
-    async with await connect(coord.socket_path) as c:
+    async with await connect(coord.socket_path, admin=True) as c:
         await c.add_request("a", tokens(0, 10))
         await c.allocate_slots("a", 10)
         session = coord.sessions[c.session_id]
@@ -538,7 +547,7 @@ async def test_cancelled_and_timed_out_calls_leave_the_connection_in_sync(coordi
             await task
         session.transport.resume_reading()
         assert (await c.stats()).num_sessions == 1
-        assert "b" in coord.requests
+        assert "b" in coord.executor.requests
 
         # 5. many pipelined calls, every other one cancelled
         session.transport.pause_reading()
@@ -559,7 +568,7 @@ async def test_cancelled_and_timed_out_calls_leave_the_connection_in_sync(coordi
 
 async def test_a_zero_timeout_never_desyncs(coordinator):
     coord = await coordinator()
-    async with await connect(coord.socket_path) as c:
+    async with await connect(coord.socket_path, admin=True) as c:
         for k in range(30):
             with pytest.raises(RequestTimeout):
                 await c.stats(free_head=k % 4, timeout=0)
@@ -585,7 +594,7 @@ async def _flood_without_reading(coord, frames: list[bytes], settle: float = 0.3
     return it, its coordinator session and the peak of that session's
     write buffer."""
     raw = await Raw.open(coord.socket_path)
-    welcome = await raw.hello()
+    welcome = await raw.hello(coord.admin_token)
     session = coord.sessions[welcome.session_id]
     raw.w.transport.pause_reading()                  # stop reading replies
     raw.send(b"".join(frames))

@@ -98,7 +98,7 @@ async def open_worker(coordinator):
 def assert_pool_whole(coord) -> None:
     """No request left and every block free (cached ones count as free)."""
     pool = coord.mgr.block_pool
-    assert not coord.requests and len(coord.mgr.table) == 0
+    assert not coord.executor.requests and len(coord.mgr.table) == 0
     assert pool.num_free_blocks == coord.config.num_blocks - 1
     report = check_segment(coord.mgr.segment, pool)
     assert report.clean, report.problems

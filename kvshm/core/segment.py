@@ -63,6 +63,12 @@ SHM_DIR = "/dev/shm"
 
 _NAME_RE = re.compile(r"[A-Za-z0-9._-]{1,200}")
 
+
+def valid_name(name: str) -> bool:
+    """Whether `name` may name a segment: 1-200 letters, digits, '.', '_'
+    or '-', and not '.' or '..'."""
+    return bool(_NAME_RE.fullmatch(name)) and name not in (".", "..")
+
 FLAG_NULL = 1
 FLAG_CACHED = 2
 FLAG_SINK = 4
@@ -404,7 +410,7 @@ def create_shm(name: str | None, size: int, *, what: str = "segment",
     """A new segment of `size` bytes named `name` (None: a fresh random name)
     for the pool or the arena.  Raises SegmentError for a bad or taken name
     and ShmSpaceError (unless `check_space` is off) when /dev/shm is short."""
-    if name is not None and not _NAME_RE.fullmatch(name):
+    if name is not None and not valid_name(name):
         raise SegmentError(f"{what} name {name!r}: use 1-200 letters, digits, '.', '_' or '-'")
     if check_space:
         check_shm_space(size)

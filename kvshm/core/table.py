@@ -30,9 +30,6 @@ class RequestTable:
         self._tables = segment.tables
         self._words = segment.words
         self.slot_of: dict[str, int] = {}
-        # Written into the owner word of every slot assigned from now on (the
-        # coordinator sets it to the session whose frame it is running).
-        self.current_owner = 0
         self._free_slots = list(range(self.capacity - 1, -1, -1))
 
     def __len__(self) -> int:
@@ -61,11 +58,20 @@ class RequestTable:
             raw = request_id.encode()
             base = slot * SLOT_META_FIELDS
             self._meta[base] = len(raw)
-            self._meta[base + 1] = self.current_owner
+            self._meta[base + 1] = 0
             self._meta[base + 2] = 1
             self._rid[slot * RID_BYTES:slot * RID_BYTES + len(raw)] = raw
             self._words[NUM_REQUESTS_WORD] = len(self.slot_of)
         return slot
+
+    def set_owner(self, request_id: str, owner: int) -> None:
+        """Record `owner` (a session id) in the request's slot, if it has one."""
+        slot = self.slot_of.get(request_id)
+        if slot is not None:
+            self._meta[slot * SLOT_META_FIELDS + 1] = owner
+
+    def owner(self, slot: int) -> int:
+        return self._meta[slot * SLOT_META_FIELDS + 1]
 
     def release(self, request_id: str) -> None:
         """Give the slot back once the request holds no entry in any group."""

@@ -25,6 +25,7 @@ from kvshm.service import protocol as p
 from kvshm.service.errors import (
     ConnectionClosed,
     ConnectionLost,
+    Forbidden,
     ProtocolError,
     RequestTimeout,
     error_from_wire,
@@ -95,6 +96,7 @@ class Client:
         self.hash_fingerprint = welcome.hash_fingerprint
         self.arena_segment = welcome.arena_segment
         self.tenant = tenant
+        self.admin = welcome.admin
         self._closed = False
 
     # -- lifecycle -------------------------------------------------------------------
@@ -250,11 +252,17 @@ class Client:
 
 
 async def connect(path: str | os.PathLike, *, tenant: str = "", node: int = -1,
-                  token: str | None = None, hash_algorithm: str = "sha256",
+                  token: str | None = None, admin: bool = False,
+                  admin_token: str | None = None, hash_algorithm: str = "sha256",
                   hash_seed: str = "kvshm-0", timeout: float = 10.0) -> Client:
-    """Open a session.  Raises ConnectionLost if nothing listens at `path`,
-    HandshakeError subclasses (VersionMismatch, HashMismatch, Forbidden) if
-    the coordinator refuses, RequestTimeout if it does not answer."""
+    """Open a session.  `admin=True` reads the coordinator's generated admin
+    token from beside its socket (or pass `admin_token`): the session may
+    then reset the prefix cache, evict blocks and read the free queue.
+    Raises ConnectionLost if nothing listens at `path`, HandshakeError
+    subclasses (VersionMismatch, HashMismatch, Forbidden) if the coordinator
+    refuses, RequestTimeout if it does not answer."""
+    if admin and admin_token is None:
+        admin_token = read_admin_token(path)
     loop = asyncio.get_running_loop()
     try:
         _, wire = await asyncio.wait_for(
@@ -264,7 +272,8 @@ async def connect(path: str | os.PathLike, *, tenant: str = "", node: int = -1,
     except asyncio.TimeoutError:
         raise RequestTimeout(f"connecting to {path} took over {timeout}s") from None
     hello = p.Hello(p.PROTOCOL_VERSION, os.getpid(),
-                    hash_fingerprint(hash_algorithm, hash_seed), node, tenant, token or "")
+                    hash_fingerprint(hash_algorithm, hash_seed), node, tenant, token or "",
+                    admin_token or "")
     client = Client.__new__(Client)
     client._wire = wire
     client._closed = False
@@ -279,3 +288,16 @@ async def connect(path: str | os.PathLike, *, tenant: str = "", node: int = -1,
         raise
     Client.__init__(client, wire, welcome, tenant)
     return client
+
+
+def read_admin_token(socket_path: str | os.PathLike) -> str:
+    """The admin token a coordinator generated beside `socket_path`.
+    Raises Forbidden if it cannot be read (not this coordinator's user, or
+    the coordinator was given its admin token by --admin-token-file)."""
+    from kvshm.service.server import admin_token_path
+    path = admin_token_path(socket_path)
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError as e:
+        raise Forbidden(f"cannot read the admin token {path}: {e.strerror}") from None

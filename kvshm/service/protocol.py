@@ -13,7 +13,7 @@ from typing import Union
 
 import msgspec
 
-PROTOCOL_VERSION = 2   # 2: Welcome.arena_segment, Admit
+PROTOCOL_VERSION = 3   # 2: Welcome.arena_segment, Admit; 3: admin sessions
 MAX_FRAME_BYTES = 8 * 2**20
 MAX_BATCH_OPS = 4096
 _LEN = 4
@@ -31,6 +31,7 @@ class Hello(_Op, tag="hello"):
     node: int = -1
     tenant: str = ""
     token: str = ""
+    admin_token: str = ""   # the coordinator's admin token: reset, evict, free queue
 
 
 class Welcome(_Op, tag="welcome"):
@@ -40,6 +41,7 @@ class Welcome(_Op, tag="welcome"):
     pool_segment: str
     hash_fingerprint: str
     arena_segment: str = ""   # the KV data arena ("" when the config has no kv shape)
+    admin: bool = False       # the session may reset, evict and read the free queue
 
 
 # -- operations (they mirror KVCacheManager) ----------------------------------------

@@ -13,6 +13,7 @@ import hmac
 import itertools
 import logging
 import os
+import secrets
 import socket
 import stat
 import struct
@@ -22,39 +23,22 @@ from pathlib import Path
 
 import msgspec
 
-from kvshm.core.errors import DuplicateRequest, InvalidArgument, KvshmError, UnknownRequest
+from kvshm.core.errors import InvalidArgument
 from kvshm.core.hashing import hash_fingerprint
 from kvshm.core.manager import KVCacheManager
-from kvshm.core.request import Request
 from kvshm.core.specs import PoolConfig
 from kvshm.service import protocol as p
 from kvshm.service.errors import (
-    BatchTooLarge,
     Forbidden,
     FrameTooLarge,
     HandshakeRequired,
     HashMismatch,
-    InternalError,
-    NotOwner,
     ProtocolError,
     VersionMismatch,
 )
+from kvshm.service.ops import OpExecutor, Owner
 
 log = logging.getLogger("kvshm.coordinator")
-
-# Counts beyond this are certainly mistakes (and would only feed huge
-# arithmetic); max_model_len bounds every real count far below it.
-MAX_COUNT = 2**31 - 1
-FREE_HEAD_MAX = 4096
-
-
-class _ReqState:
-    __slots__ = ("request", "owner", "hits")
-
-    def __init__(self, request: Request, owner: "Session") -> None:
-        self.request = request
-        self.owner = owner
-        self.hits = None
 
 
 class Session(asyncio.Protocol):
@@ -66,8 +50,7 @@ class Session(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.reader = p.FrameReader(coord.max_frame_bytes)
         self.hello: p.Hello | None = None
-        self.hasher = None
-        self.requests: set[str] = set()
+        self.owner: Owner | None = None     # set by the handshake
         self.peer_pid = 0
         self._bodies: deque = deque()   # frames read but not yet answered
         self._paused = False            # the peer is not reading our replies
@@ -112,7 +95,7 @@ class Session(asyncio.Protocol):
 
     def _answer(self) -> None:
         bodies = self._bodies
-        handle = self.coord._handle
+        handle = self.coord.handle
         while bodies and not self._paused:
             t = self.transport
             if t is None or t.is_closing():
@@ -141,16 +124,25 @@ class Coordinator:
         name: pool name; the segment is /dev/shm/<name>.
         socket_path: where to listen (its directory is created 0700).
         token: if set, clients must present it in Hello.
+        admin_token: sessions presenting it (`Hello.admin_token`) may run the
+            pool-wide destructive ops (reset, evict) and read the free queue.
+            None: `start()` makes a random one and writes it, 0600, to
+            `admin_token_path(socket_path)` (removed by `stop()`), so tools
+            of the coordinator's user can read it and tenants of other
+            users cannot.
         allow_other_uids: accept peers of another uid (SO_PEERCRED).
     """
 
     def __init__(self, config: PoolConfig, *, name: str, socket_path: str | Path,
-                 token: str | None = None, allow_other_uids: bool = False,
+                 token: str | None = None, admin_token: str | None = None,
+                 allow_other_uids: bool = False,
                  max_frame_bytes: int = p.MAX_FRAME_BYTES,
                  max_batch_ops: int = p.MAX_BATCH_OPS,
                  write_buffer_high: int = 4 * 2**20) -> None:
         self.socket_path = Path(socket_path)
         self.token = token or None
+        self.admin_token = admin_token or None
+        self._admin_file: Path | None = None   # the token file start() wrote
         self.allow_other_uids = allow_other_uids
         self.max_frame_bytes = max_frame_bytes
         self.max_batch_ops = max_batch_ops
@@ -171,24 +163,14 @@ class Coordinator:
             except BaseException:
                 self.mgr.close()
                 raise
-        self.base_hasher = self.mgr.make_hasher()
+        self.executor = OpExecutor(self.mgr, max_batch_ops=max_batch_ops)
         self.fingerprint = hash_fingerprint(self.config.hash_algorithm, self.config.hash_seed)
         self.sessions: dict[int, Session] = {}
-        self.requests: dict[str, _ReqState] = {}
         self._session_ids = itertools.count(1)
         self._server: asyncio.AbstractServer | None = None
         self._bound = False
         self._decoder = msgspec.msgpack.Decoder(p.Message)
         self._config_json = self.config.to_json()
-        self._hashers: dict[str, object] = {}
-        self._dispatch: dict[type, Callable] = {
-            p.AddRequest: self._add, p.Advance: self._advance,
-            p.GetComputedBlocks: self._hits, p.AllocateSlots: self._alloc, p.Admit: self._admit,
-            p.CacheBlocks: self._cache, p.Free: self._free,
-            p.RemoveSkippedBlocks: self._skip, p.GetBlockIds: self._ids,
-            p.NumCommonPrefixBlocks: self._common, p.ResetPrefixCache: self._reset,
-            p.EvictBlocks: self._evict, p.GetStats: self._stats,
-        }
 
     # -- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
@@ -208,6 +190,10 @@ class Coordinator:
             os.umask(old_umask)
         self._bound = True
         os.chmod(path, 0o600)
+        if self.admin_token is None:
+            self.admin_token = secrets.token_urlsafe(32)
+            self._admin_file = admin_token_path(path)
+            write_private_file(self._admin_file, self.admin_token)
 
     async def stop(self) -> None:
         """Stop accepting, end every session (freeing its requests), release
@@ -227,6 +213,9 @@ class Coordinator:
                 self.socket_path.unlink()
             except FileNotFoundError:
                 pass
+        if self._admin_file is not None:
+            self._admin_file.unlink(missing_ok=True)
+            self._admin_file = None
         self.mgr.close()
         if self.arena is not None:
             self.arena.close()
@@ -237,29 +226,18 @@ class Coordinator:
     def _end_session(self, s: Session) -> None:
         if self.sessions.pop(s.id, None) is None:
             return
-        mgr = self.mgr
-        for rid in s.requests:
-            self.requests.pop(rid, None)
-            if not mgr.segment.closed:
-                mgr.free(rid)
-        s.requests.clear()
-
-    def _hasher_for(self, tenant: str):
-        if self.base_hasher is None:
-            return None
-        h = self._hashers.get(tenant)
-        if h is None:
-            h = self._hashers[tenant] = self.base_hasher.for_namespace(tenant)
-        return h
+        if s.owner is not None:
+            self.executor.close_owner(s.owner)
 
     # -- frames --------------------------------------------------------------------------------
-    def _handle(self, s: Session, body: bytes) -> msgspec.Struct:
+    def handle(self, s: Session, body: bytes) -> msgspec.Struct | None:
+        """The reply to one frame body from session `s` (None: the session
+        was refused and its transport closed)."""
         try:
             msg = self._decoder.decode(body)
         except msgspec.DecodeError as e:  # ValidationError included: it names the path
             return p.Error(ProtocolError.code, f"bad message: {e}")
-        self.mgr.table.current_owner = s.id
-        if s.hello is None:
+        if s.owner is None:
             if msg.__class__ is not p.Hello:
                 return p.Error(HandshakeRequired.code, "the first message must be Hello")
             reply = self._handshake(s, msg)
@@ -268,24 +246,9 @@ class Coordinator:
                 s.transport.close()
                 return None
             return reply
-        cls = msg.__class__
-        if cls is p.Batch:
-            ops = msg.ops
-            if len(ops) > self.max_batch_ops:
-                return p.Error(BatchTooLarge.code, f"a batch holds at most "
-                               f"{self.max_batch_ops} ops (got {len(ops)})")
-            results = []
-            dispatch = self._dispatch
-            op = None
-            try:
-                for op in ops:
-                    results.append(dispatch[op.__class__](s, op))
-            except Exception as e:  # the batch stops at its first error
-                results.append(self._error_reply(op, e))
-            return p.BatchReply(results)
-        if cls is p.Hello:
+        if msg.__class__ is p.Hello:
             return p.Error(ProtocolError.code, "Hello was already received")
-        return self._run(s, msg)
+        return self.executor.execute(s.owner, msg)
 
     def _handshake(self, s: Session, hello: p.Hello) -> msgspec.Struct:
         if hello.version != p.PROTOCOL_VERSION:
@@ -294,160 +257,21 @@ class Coordinator:
         if self.token is not None and not hmac.compare_digest(hello.token.encode(),
                                                               self.token.encode()):
             return p.Error(Forbidden.code, "missing or wrong auth token")
+        admin = False
+        if hello.admin_token:
+            if self.admin_token is None or not hmac.compare_digest(
+                    hello.admin_token.encode(), self.admin_token.encode()):
+                return p.Error(Forbidden.code, "wrong admin token")
+            admin = True
         if hello.hash_fingerprint != self.fingerprint:
             return p.Error(HashMismatch.code, f"hash fingerprint {hello.hash_fingerprint} "
                            f"differs from the pool's {self.fingerprint} (same "
                            "hash_algorithm and hash_seed needed)")
         s.hello = hello
-        s.hasher = self._hasher_for(hello.tenant)
+        s.owner = self.executor.open_owner(s.id, hello.tenant, admin=admin)
         return p.Welcome(p.PROTOCOL_VERSION, s.id, self._config_json, self.mgr.segment.name,
-                         self.fingerprint, self.arena.name if self.arena is not None else "")
-
-    def _run(self, s: Session, op) -> msgspec.Struct:
-        try:
-            return self._dispatch[op.__class__](s, op)
-        except Exception as e:
-            return self._error_reply(op, e)
-
-    @staticmethod
-    def _error_reply(op, e: Exception) -> p.Error:
-        if isinstance(e, KvshmError):
-            return p.Error(e.code, str(e))
-        # A bug: report it, keep serving the others.
-        log.exception("internal error on %r", op)
-        return p.Error(InternalError.code, f"{type(e).__name__}: {e}")
-
-    def _owned(self, s: Session, rid: str) -> _ReqState:
-        st = self.requests.get(rid)
-        if st is None:
-            raise UnknownRequest(rid)
-        if st.owner is not s:
-            raise NotOwner(f"request {rid!r} belongs to another session")
-        return st
-
-    # -- operations ------------------------------------------------------------------------
-    def _add(self, s: Session, op: p.AddRequest):
-        rid = op.req
-        if rid in self.requests:
-            raise DuplicateRequest(rid)
-        if (op.prompt is None) == (op.block_hashes is None):
-            raise InvalidArgument("add_request needs either prompt or block_hashes")
-        if op.prompt is not None:
-            if len(op.prompt) > self.config.max_model_len:
-                raise InvalidArgument(f"prompt of {len(op.prompt)} tokens exceeds "
-                                      f"max_model_len {self.config.max_model_len}")
-            req = Request(rid, op.prompt, s.hasher, lora_name=op.lora_name,
-                          cache_salt=op.cache_salt,
-                          skip_reading_prefix_cache=op.skip_prefix_cache_read)
-        else:
-            _check_count("num_tokens", op.num_tokens, self.config.max_model_len)
-            req = Request.from_block_hashes(
-                rid, op.block_hashes, op.num_tokens, s.hasher, lora_name=op.lora_name,
-                cache_salt=op.cache_salt, skip_reading_prefix_cache=op.skip_prefix_cache_read)
-        self.requests[rid] = _ReqState(req, s)
-        s.requests.add(rid)
-        return p.Done()
-
-    def _advance(self, s: Session, op: p.Advance):
-        req = self._owned(s, op.req).request
-        n = op.num_computed_tokens
-        # It may run ahead of the tokens (speculative drafts are computed
-        # before they are accepted): only its sign and size are checked.
-        if not 0 <= n <= MAX_COUNT:
-            _check_count("num_computed_tokens", n, MAX_COUNT)
-        if op.append_hashes or op.num_appended:
-            _check_count("num_appended", req.num_tokens + op.num_appended, MAX_COUNT)
-            req.append_block_hashes(op.append_hashes, op.num_appended)
-        elif op.append:
-            req.append_token_ids(op.append)
-        req.num_computed_tokens = n
-        return p.Done()
-
-    def _hits(self, s: Session, op: p.GetComputedBlocks):
-        st = self._owned(s, op.req)
-        blocks, n = self.mgr.get_computed_blocks(st.request)
-        st.hits = blocks
-        return p.ComputedBlocks(blocks, n)
-
-    def _alloc(self, s: Session, op: p.AllocateSlots):
-        st = self._owned(s, op.req)
-        if (op.num_new_tokens | op.num_new_computed_tokens | op.num_lookahead_tokens
-                | op.num_external_computed_tokens | op.num_encoder_tokens) > MAX_COUNT:
-            for name in ("num_new_tokens", "num_new_computed_tokens", "num_lookahead_tokens",
-                         "num_external_computed_tokens", "num_encoder_tokens"):
-                _check_count(name, max(getattr(op, name), 0), MAX_COUNT)
-        mgr = self.mgr
-        res = mgr.allocate_slots(
-            st.request, op.num_new_tokens, op.num_new_computed_tokens,
-            st.hits if op.use_computed_blocks else None, op.num_lookahead_tokens,
-            op.num_external_computed_tokens, op.delay_cache_blocks, op.num_encoder_tokens)
-        # res is a tuple of fresh lists: msgspec encodes it as is.
-        return p.Allocated(res, mgr.block_pool.num_free_blocks)
-
-    def _admit(self, s: Session, op: p.Admit):
-        st = self._owned(s, op.req)
-        if not 1 <= op.max_new_tokens <= MAX_COUNT:
-            raise InvalidArgument(f"max_new_tokens must be in [1, {MAX_COUNT}] "
-                                  f"(got {op.max_new_tokens})")
-        _check_count("num_lookahead_tokens", op.num_lookahead_tokens, MAX_COUNT)
-        mgr = self.mgr
-        req = st.request
-        if req.num_computed_tokens:
-            raise InvalidArgument(f"request {op.req!r} already has "
-                                  f"{req.num_computed_tokens} computed tokens; Admit is "
-                                  "for a waiting request (free it with preempted=true first)")
-        hits, num_hit = mgr.get_computed_blocks(req)
-        n = min(op.max_new_tokens, req.num_tokens - num_hit)
-        new = mgr.allocate_slots(req, n, num_hit, hits, op.num_lookahead_tokens, 0,
-                                 op.delay_cache_blocks)
-        return p.Admitted(hits, num_hit, n, new, mgr.block_pool.num_free_blocks)
-
-    def _cache(self, s: Session, op: p.CacheBlocks):
-        st = self._owned(s, op.req)
-        self.mgr.cache_blocks(st.request, op.num_computed_tokens)
-        return p.Done()
-
-    def _free(self, s: Session, op: p.Free):
-        self._owned(s, op.req)
-        mgr = self.mgr
-        mgr.free(op.req)
-        if op.preempted:
-            self.requests[op.req].request.num_preemptions += 1
-        else:  # finished or aborted: the request is gone
-            del self.requests[op.req]
-            s.requests.discard(op.req)
-        return p.FreeBlocks(mgr.block_pool.num_free_blocks)
-
-    def _skip(self, s: Session, op: p.RemoveSkippedBlocks):
-        self._owned(s, op.req)
-        _check_count("total_computed_tokens", op.total_computed_tokens, MAX_COUNT)
-        mgr = self.mgr
-        mgr.remove_skipped_blocks(op.req, op.total_computed_tokens)
-        return p.FreeBlocks(mgr.block_pool.num_free_blocks)
-
-    def _ids(self, s: Session, op: p.GetBlockIds):
-        self._owned(s, op.req)
-        return p.BlockIds(list(self.mgr.get_block_ids(op.req)))
-
-    def _common(self, s: Session, op: p.NumCommonPrefixBlocks):
-        self._owned(s, op.req)
-        counts = self.mgr.get_num_common_prefix_blocks(op.req)
-        return p.CommonPrefix(counts)
-
-    def _reset(self, s: Session, op: p.ResetPrefixCache):
-        return p.ResetResult(self.mgr.reset_prefix_cache())
-
-    def _evict(self, s: Session, op: p.EvictBlocks):
-        self.mgr.evict_blocks(op.block_ids)
-        return p.FreeBlocks(self.mgr.block_pool.num_free_blocks)
-
-    def _stats(self, s: Session, op: p.GetStats):
-        pool = self.mgr.block_pool
-        q, h, qt, ht = pool.stats
-        head = pool.free_queue(min(max(op.free_head, 0), FREE_HEAD_MAX)) if op.free_head else []
-        return p.Stats(self.config.num_blocks, pool.num_free_blocks, pool.num_cached_blocks,
-                       pool.get_usage(), len(self.mgr.table), len(self.sessions),
-                       q, h, qt, ht, head)
+                         self.fingerprint, self.arena.name if self.arena is not None else "",
+                         admin)
 
 
 def _socket_answers(path: Path) -> bool:
@@ -463,12 +287,6 @@ def _socket_answers(path: Path) -> bool:
         probe.close()
 
 
-def _check_count(name: str, value: int, limit: int) -> None:
-    if not 0 <= value <= limit:
-        raise InvalidArgument(f"{name} must be in [0, {limit}] (got {value})")
-
-
-
 def default_socket_path(name: str) -> Path:
     """$XDG_RUNTIME_DIR/kvshm/<name>.sock, else /tmp/kvshm-<uid>/<name>.sock."""
     base = os.environ.get("XDG_RUNTIME_DIR")
@@ -476,8 +294,22 @@ def default_socket_path(name: str) -> Path:
     return root / f"{name}.sock"
 
 
+def admin_token_path(socket_path: str | Path) -> Path:
+    """Where a coordinator on `socket_path` writes its generated admin token."""
+    return Path(f"{socket_path}.admin-token")
+
+
+def write_private_file(path: Path, text: str) -> None:
+    """Write `text` to `path`, readable by this user only (replacing a stale file)."""
+    path.unlink(missing_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text + "\n")
+
+
 async def serve(config: PoolConfig, *, name: str, socket_path: str | Path,
-                token: str | None = None, allow_other_uids: bool = False,
+                token: str | None = None, admin_token: str | None = None,
+                allow_other_uids: bool = False,
                 ready: Callable[[Coordinator], None] | None = None) -> None:
     """Run a coordinator until SIGINT/SIGTERM, then shut down cleanly."""
     import gc
@@ -492,7 +324,7 @@ async def serve(config: PoolConfig, *, name: str, socket_path: str | Path,
         raise InvalidArgument(f"a segment {name!r} of a dead coordinator (pid "
                               f"{info['pid']}) exists: remove it with `kvshm rm {name}`")
     coord = Coordinator(config, name=name, socket_path=socket_path, token=token,
-                        allow_other_uids=allow_other_uids)
+                        admin_token=admin_token, allow_other_uids=allow_other_uids)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -1,0 +1,304 @@
+"""The op executor: protocol operations -> core calls, sans-IO.
+
+`OpExecutor.execute(owner, msg)` runs one protocol message (an op or a
+`Batch`) for `owner` (a `Owner`: the session id, its tenant's hasher, its
+rights) on a `KVCacheManager` and returns the reply struct.  It keeps the
+request upkeep a scheduler-facing service needs: each request's `Request`
+object (tokens, hashes, computed count), its owner, and the hits of its last
+lookup (for `AllocateSlots(use_computed_blocks=True)`).  The coordinator
+(server.py) adds only sockets, sessions and framing around it; the embedded
+replay, the benchmarks and the tests call it directly.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from kvshm.core.errors import DuplicateRequest, InvalidArgument, KvshmError, UnknownRequest
+from kvshm.core.manager import KVCacheManager
+from kvshm.core.request import Request
+from kvshm.service import protocol as p
+from kvshm.service.errors import BatchTooLarge, Forbidden, InternalError, NotOwner
+
+log = logging.getLogger("kvshm.coordinator")
+
+# Counts beyond this are certainly mistakes (and would only feed huge
+# arithmetic); max_model_len bounds every real count far below it.
+MAX_COUNT = 2**31 - 1
+FREE_HEAD_MAX = 4096
+
+_ALLOC_COUNTS = ("num_new_tokens", "num_new_computed_tokens", "num_lookahead_tokens",
+                 "num_external_computed_tokens", "num_encoder_tokens")
+
+
+class Owner:
+    """Whom an op runs for: a session id (the request table's owner word),
+    the block hasher of its tenant's namespace, and whether it may run the
+    pool-wide destructive ops (reset, evict) and see block ids it does not
+    hold (the free queue)."""
+
+    __slots__ = ("id", "tenant", "hasher", "admin", "requests")
+
+    def __init__(self, id: int, tenant: str, hasher, admin: bool = False) -> None:
+        self.id = id
+        self.tenant = tenant
+        self.hasher = hasher
+        self.admin = admin
+        self.requests: set[str] = set()
+
+
+class ReqState:
+    """A request the executor knows: its `Request`, owner and last hits."""
+
+    __slots__ = ("request", "owner", "hits")
+
+    def __init__(self, request: Request, owner: Owner) -> None:
+        self.request = request
+        self.owner = owner
+        self.hits = None
+
+
+class OpExecutor:
+    """Runs protocol ops on `mgr` for explicit owners.
+
+    Args:
+        mgr: the pool's manager (the executor does not close it).
+        max_batch_ops: the most ops a `Batch` may hold.
+    """
+
+    def __init__(self, mgr: KVCacheManager, *, max_batch_ops: int = p.MAX_BATCH_OPS) -> None:
+        self.mgr = mgr
+        self.config = mgr.config
+        self.max_batch_ops = max_batch_ops
+        self.requests: dict[str, ReqState] = {}
+        self.owners: dict[int, Owner] = {}
+        self._base_hasher = mgr.make_hasher()
+        self._hashers: dict[str, object] = {}
+        self._dispatch = {
+            p.AddRequest: self._add, p.Advance: self._advance,
+            p.GetComputedBlocks: self._hits, p.AllocateSlots: self._alloc, p.Admit: self._admit,
+            p.CacheBlocks: self._cache, p.Free: self._free,
+            p.RemoveSkippedBlocks: self._skip, p.GetBlockIds: self._ids,
+            p.NumCommonPrefixBlocks: self._common, p.ResetPrefixCache: self._reset,
+            p.EvictBlocks: self._evict, p.GetStats: self._stats,
+        }
+
+    # -- owners --------------------------------------------------------------------------
+    def open_owner(self, id: int, tenant: str = "", *, admin: bool = False) -> Owner:
+        """Register owner `id` (a session) of `tenant`'s namespace."""
+        owner = Owner(id, tenant, self.hasher_for(tenant), admin)
+        self.owners[id] = owner
+        return owner
+
+    def close_owner(self, owner: Owner) -> None:
+        """Free every request of `owner` and forget it (a session ended)."""
+        if self.owners.pop(owner.id, None) is None:
+            return
+        mgr = self.mgr
+        for rid in owner.requests:
+            self.requests.pop(rid, None)
+            if not mgr.segment.closed:
+                mgr.free(rid)
+        owner.requests.clear()
+
+    def hasher_for(self, tenant: str):
+        """The block hasher of `tenant`'s namespace (None: caching off)."""
+        if self._base_hasher is None:
+            return None
+        h = self._hashers.get(tenant)
+        if h is None:
+            h = self._hashers[tenant] = self._base_hasher.for_namespace(tenant)
+        return h
+
+    # -- execution -----------------------------------------------------------------------
+    def execute(self, owner: Owner, msg):
+        """The reply to one op or `Batch` run for `owner`; errors are `Error`
+        replies (a batch stops at its first one, the ops before it stand)."""
+        if msg.__class__ is p.Batch:
+            ops = msg.ops
+            if len(ops) > self.max_batch_ops:
+                return p.Error(BatchTooLarge.code, f"a batch holds at most "
+                               f"{self.max_batch_ops} ops (got {len(ops)})")
+            results = []
+            dispatch = self._dispatch
+            op = None
+            try:
+                for op in ops:
+                    results.append(dispatch[op.__class__](owner, op))
+            except Exception as e:  # the batch stops at its first error
+                results.append(error_reply(op, e))
+            return p.BatchReply(results)
+        handler = self._dispatch.get(msg.__class__)
+        if handler is None:
+            return p.Error(InvalidArgument.code, f"{type(msg).__name__} is not an operation")
+        try:
+            return handler(owner, msg)
+        except Exception as e:
+            return error_reply(msg, e)
+
+    def _owned(self, owner: Owner, rid: str) -> ReqState:
+        st = self.requests.get(rid)
+        if st is None:
+            raise UnknownRequest(rid)
+        if st.owner is not owner:
+            raise NotOwner(f"request {rid!r} belongs to another session")
+        return st
+
+    def _claim(self, owner: Owner, rid: str) -> None:
+        """Record `owner` in the request's table slot, if it has one."""
+        self.mgr.table.set_owner(rid, owner.id)
+
+    # -- operations ----------------------------------------------------------------------
+    def _add(self, owner: Owner, op: p.AddRequest):
+        rid = op.req
+        if rid in self.requests:
+            raise DuplicateRequest(rid)
+        if (op.prompt is None) == (op.block_hashes is None):
+            raise InvalidArgument("add_request needs either prompt or block_hashes")
+        max_len = self.config.max_model_len
+        if op.prompt is not None:
+            if len(op.prompt) > max_len:
+                raise InvalidArgument(f"prompt of {len(op.prompt)} tokens exceeds "
+                                      f"max_model_len {max_len}")
+            req = Request(rid, op.prompt, owner.hasher, lora_name=op.lora_name,
+                          cache_salt=op.cache_salt,
+                          skip_reading_prefix_cache=op.skip_prefix_cache_read)
+        else:
+            check_count("num_tokens", op.num_tokens, max_len)
+            req = Request.from_block_hashes(
+                rid, op.block_hashes, op.num_tokens, owner.hasher, lora_name=op.lora_name,
+                cache_salt=op.cache_salt, skip_reading_prefix_cache=op.skip_prefix_cache_read)
+        self.requests[rid] = ReqState(req, owner)
+        owner.requests.add(rid)
+        return p.Done()
+
+    def _advance(self, owner: Owner, op: p.Advance):
+        req = self._owned(owner, op.req).request
+        n = op.num_computed_tokens
+        # It may run ahead of the tokens (speculative drafts are computed
+        # before they are accepted): only its sign and size are checked.
+        if not 0 <= n <= MAX_COUNT:
+            check_count("num_computed_tokens", n, MAX_COUNT)
+        if op.append_hashes or op.num_appended:
+            check_count("num_appended", req.num_tokens + op.num_appended, MAX_COUNT)
+            req.append_block_hashes(op.append_hashes, op.num_appended)
+        elif op.append:
+            req.append_token_ids(op.append)
+        req.num_computed_tokens = n
+        return p.Done()
+
+    def _hits(self, owner: Owner, op: p.GetComputedBlocks):
+        st = self._owned(owner, op.req)
+        blocks, n = self.mgr.get_computed_blocks(st.request)
+        st.hits = blocks
+        return p.ComputedBlocks(blocks, n)
+
+    def _alloc(self, owner: Owner, op: p.AllocateSlots):
+        st = self._owned(owner, op.req)
+        if (op.num_new_tokens | op.num_new_computed_tokens | op.num_lookahead_tokens
+                | op.num_external_computed_tokens | op.num_encoder_tokens) > MAX_COUNT:
+            for name in _ALLOC_COUNTS:
+                check_count(name, max(getattr(op, name), 0), MAX_COUNT)
+        mgr = self.mgr
+        res = mgr.allocate_slots(
+            st.request, op.num_new_tokens, op.num_new_computed_tokens,
+            st.hits if op.use_computed_blocks else None, op.num_lookahead_tokens,
+            op.num_external_computed_tokens, op.delay_cache_blocks, op.num_encoder_tokens)
+        self._claim(owner, op.req)
+        # res is a tuple of fresh lists: msgspec encodes it as is.
+        return p.Allocated(res, mgr.block_pool.num_free_blocks)
+
+    def _admit(self, owner: Owner, op: p.Admit):
+        st = self._owned(owner, op.req)
+        if not 1 <= op.max_new_tokens <= MAX_COUNT:
+            raise InvalidArgument(f"max_new_tokens must be in [1, {MAX_COUNT}] "
+                                  f"(got {op.max_new_tokens})")
+        check_count("num_lookahead_tokens", op.num_lookahead_tokens, MAX_COUNT)
+        mgr = self.mgr
+        req = st.request
+        if req.num_computed_tokens:
+            raise InvalidArgument(f"request {op.req!r} already has "
+                                  f"{req.num_computed_tokens} computed tokens; Admit is "
+                                  "for a waiting request (free it with preempted=true first)")
+        hits, num_hit = mgr.get_computed_blocks(req)
+        n = min(op.max_new_tokens, req.num_tokens - num_hit)
+        new = mgr.allocate_slots(req, n, num_hit, hits, op.num_lookahead_tokens, 0,
+                                 op.delay_cache_blocks)
+        self._claim(owner, op.req)
+        return p.Admitted(hits, num_hit, n, new, mgr.block_pool.num_free_blocks)
+
+    def _cache(self, owner: Owner, op: p.CacheBlocks):
+        st = self._owned(owner, op.req)
+        self.mgr.cache_blocks(st.request, op.num_computed_tokens)
+        self._claim(owner, op.req)
+        return p.Done()
+
+    def _free(self, owner: Owner, op: p.Free):
+        st = self._owned(owner, op.req)
+        mgr = self.mgr
+        mgr.free(op.req)
+        if op.preempted:
+            st.request.num_preemptions += 1
+        else:  # finished or aborted: the request is gone
+            del self.requests[op.req]
+            owner.requests.discard(op.req)
+        return p.FreeBlocks(mgr.block_pool.num_free_blocks)
+
+    def _skip(self, owner: Owner, op: p.RemoveSkippedBlocks):
+        self._owned(owner, op.req)
+        check_count("total_computed_tokens", op.total_computed_tokens, MAX_COUNT)
+        mgr = self.mgr
+        mgr.remove_skipped_blocks(op.req, op.total_computed_tokens)
+        self._claim(owner, op.req)
+        return p.FreeBlocks(mgr.block_pool.num_free_blocks)
+
+    def _ids(self, owner: Owner, op: p.GetBlockIds):
+        self._owned(owner, op.req)
+        return p.BlockIds(list(self.mgr.get_block_ids(op.req)))
+
+    def _common(self, owner: Owner, op: p.NumCommonPrefixBlocks):
+        self._owned(owner, op.req)
+        counts = self.mgr.get_num_common_prefix_blocks(op.req)
+        self._claim(owner, op.req)
+        return p.CommonPrefix(counts)
+
+    def _reset(self, owner: Owner, op: p.ResetPrefixCache):
+        _need_admin(owner, "reset_prefix_cache")
+        return p.ResetResult(self.mgr.reset_prefix_cache())
+
+    def _evict(self, owner: Owner, op: p.EvictBlocks):
+        _need_admin(owner, "evict_blocks")
+        self.mgr.evict_blocks(op.block_ids)
+        return p.FreeBlocks(self.mgr.block_pool.num_free_blocks)
+
+    def _stats(self, owner: Owner, op: p.GetStats):
+        pool = self.mgr.block_pool
+        q, h, qt, ht = pool.stats
+        head = []
+        if op.free_head:
+            _need_admin(owner, "the free queue (GetStats.free_head)")
+            head = pool.free_queue(min(max(op.free_head, 0), FREE_HEAD_MAX))
+        return p.Stats(self.config.num_blocks, pool.num_free_blocks, pool.num_cached_blocks,
+                       pool.get_usage(), len(self.mgr.table), len(self.owners),
+                       q, h, qt, ht, head)
+
+
+def _need_admin(owner: Owner, what: str) -> None:
+    if not owner.admin:
+        raise Forbidden(f"{what} acts on every tenant's blocks: it needs an admin session "
+                        "(connect with the coordinator's admin token)")
+
+
+def error_reply(op, e: Exception) -> p.Error:
+    """The `Error` reply for exception `e` raised by `op`."""
+    if isinstance(e, KvshmError):
+        return p.Error(e.code, str(e))
+    # A bug: report it, keep serving the others.
+    log.exception("internal error on %r", op)
+    return p.Error(InternalError.code, f"{type(e).__name__}: {e}")
+
+
+def check_count(name: str, value: int, limit: int) -> None:
+    """Raise InvalidArgument unless 0 <= value <= limit."""
+    if not 0 <= value <= limit:
+        raise InvalidArgument(f"{name} must be in [0, {limit}] (got {value})")
