@@ -66,64 +66,61 @@ class TraceTranslator:
 
     def __init__(self) -> None:
         self.tokens: dict[str, list[int]] = {}
+        self._build = {
+            "advance": self._advance, "allocate_slots": _allocate_slots,
+            "add_request": self._add_request,
+            "get_computed_blocks": lambda op: p.GetComputedBlocks(op["req"]),
+            "cache_blocks": lambda op: p.CacheBlocks(op["req"], op["num_computed_tokens"]),
+            "remove_skipped_blocks": lambda op: p.RemoveSkippedBlocks(
+                op["req"], op["total_computed_tokens"]),
+            "free": lambda op: p.Free(op["req"], op.get("reason") in _RESCHEDULED),
+            "get_block_ids": lambda op: p.GetBlockIds(op["req"]),
+            "num_common_prefix_blocks": lambda op: p.NumCommonPrefixBlocks(op["req"]),
+            "reset_prefix_cache": lambda op: p.ResetPrefixCache(),
+            "evict_blocks": lambda op: p.EvictBlocks(op["block_ids"]),
+            "usage": lambda op: p.GetStats(),
+            "check": lambda op: p.GetStats(FREE_HEAD_LEN),
+        }
 
     def message(self, op: dict[str, Any]):
-        name = op["op"]
+        """The protocol message for trace op `op`."""
+        build = self._build.get(op["op"])
+        if build is None:
+            raise ValueError(f"unknown op {op['op']!r}")
+        return build(op)
+
+    def _add_request(self, op):
         get = op.get
-        if name == "add_request":
-            prompt = list(op["prompt"])
-            if "prefix" in op:
-                prompt = self.tokens[op["prefix"]["req"]][:op["prefix"]["len"]] + prompt
-            self.tokens[op["req"]] = list(prompt)  # grows with advances; the message must not
-            return p.AddRequest(op["req"], prompt, None, 0, get("lora_name"),
-                                get("cache_salt"), bool(get("skip_prefix_cache_read")))
-        if name == "advance":
-            append = get("append") or []
+        prompt = list(op["prompt"])
+        if "prefix" in op:
+            prompt = self.tokens[op["prefix"]["req"]][:op["prefix"]["len"]] + prompt
+        self.tokens[op["req"]] = list(prompt)  # grows with advances; the message must not
+        return p.AddRequest(op["req"], prompt, None, 0, get("lora_name"),
+                            get("cache_salt"), bool(get("skip_prefix_cache_read")))
+
+    def _advance(self, op):
+        append = op.get("append")
+        if append:
             self.tokens[op["req"]].extend(append)
             return p.Advance(op["req"], op["num_computed_tokens"], append)
-        if name == "get_computed_blocks":
-            return p.GetComputedBlocks(op["req"])
-        if name == "allocate_slots":
-            return p.AllocateSlots(
-                op["req"], op["num_new_tokens"], get("num_new_computed_tokens", 0),
-                bool(get("use_computed_blocks")), get("num_lookahead_tokens", 0),
-                get("num_external_computed_tokens", 0), bool(get("delay_cache_blocks")),
-                get("num_encoder_tokens", 0))
-        if name == "cache_blocks":
-            return p.CacheBlocks(op["req"], op["num_computed_tokens"])
-        if name == "remove_skipped_blocks":
-            return p.RemoveSkippedBlocks(op["req"], op["total_computed_tokens"])
-        if name == "free":
-            return p.Free(op["req"], get("reason") in _RESCHEDULED)
-        if name == "get_block_ids":
-            return p.GetBlockIds(op["req"])
-        if name == "num_common_prefix_blocks":
-            return p.NumCommonPrefixBlocks(op["req"])
-        if name == "reset_prefix_cache":
-            return p.ResetPrefixCache()
-        if name == "evict_blocks":
-            return p.EvictBlocks(op["block_ids"])
-        if name == "usage":
-            return p.GetStats()
-        if name == "check":
-            return p.GetStats(FREE_HEAD_LEN)
-        raise ValueError(f"unknown op {name!r}")
+        return p.Advance(op["req"], op["num_computed_tokens"])
 
     @staticmethod
     def got(op: dict[str, Any], reply) -> dict[str, Any] | None:
+        """Reply `reply` to `op` in the trace's `expect` shape (an error as
+        {"error": code, "message": ...})."""
         cls = reply.__class__
-        if cls is p.Error:
-            return {"error": reply.code, "message": reply.message}
-        name = op["op"]
         if cls is p.Done:
             return None
-        if cls is p.ComputedBlocks:
-            return {"block_ids": _lists(reply.block_ids),
-                    "num_computed_tokens": reply.num_computed_tokens}
         if cls is p.Allocated:
             new = reply.new_block_ids
             return {"new_block_ids": None if new is None else _lists(new),
                     "num_free_blocks": reply.num_free_blocks}
+        if cls is p.Error:
+            return {"error": reply.code, "message": reply.message}
+        if cls is p.ComputedBlocks:
+            return {"block_ids": _lists(reply.block_ids),
+                    "num_computed_tokens": reply.num_computed_tokens}
         if cls is p.FreeBlocks:
             return {"num_free_blocks": reply.num_free_blocks}
         if cls is p.BlockIds:
@@ -133,10 +130,19 @@ class TraceTranslator:
         if cls is p.ResetResult:
             return {"ok": reply.ok}
         if cls is p.Stats:
-            if name == "usage":
+            if op["op"] == "usage":
                 return {"usage": reply.usage}
             return {"num_free_blocks": reply.num_free_blocks, "free_head": reply.free_head}
-        raise ValueError(f"unexpected reply {reply!r} to {name}")
+        raise ValueError(f"unexpected reply {reply!r} to {op['op']}")
+
+
+def _allocate_slots(op):
+    get = op.get
+    return p.AllocateSlots(
+        op["req"], op["num_new_tokens"], get("num_new_computed_tokens", 0),
+        bool(get("use_computed_blocks")), get("num_lookahead_tokens", 0),
+        get("num_external_computed_tokens", 0), bool(get("delay_cache_blocks")),
+        get("num_encoder_tokens", 0))
 
 
 def _lists(groups) -> list[list[int]]:
@@ -202,14 +208,17 @@ def replay_ops(replayer: EmbeddedReplayer, ops: list[dict[str, Any]]) -> Mismatc
     """Run every op; the first mismatch (line numbers count the config line
     as line 1), or None.  An error reply, or an exception from kvshm, counts
     as a mismatch."""
-    apply = replayer.apply
+    tr = replayer.translator
+    message, got = tr.message, tr.got
+    execute, owner = replayer.executor.execute, replayer.owner
     for i, op in enumerate(ops):
         try:
-            got = apply(op)
+            res = got(op, execute(owner, message(op)))
         except Exception as e:  # noqa: BLE001 - reported as the mismatch
             return Mismatch(i + 2, op["op"], op.get("req", ""), op.get("expect"),
                             f"raised {type(e).__name__}: {e}")
-        if (m := check_reply(op, got, i + 2)) is not None:
+        if (res is not None or "expect" in op) and (
+                m := check_reply(op, res, i + 2)) is not None:
             return m
     return None
 
