@@ -64,7 +64,7 @@ from kvshm import (
     SlidingWindowSpec,
     check_segment,
 )
-from kvshm.core.segment import FLAG_CACHED, SEQ_WORD
+from kvshm.core.segment import FLAG_CACHED, FRAME_CACHE_STAMP_WORD, SEQ_WORD
 
 STRESS = int(os.environ.get("KVSHM_STRESS_EXAMPLES", "0") or 0)
 HYP_EXAMPLES = STRESS or 8
@@ -358,8 +358,10 @@ class Sim:
         m = self.m
         seg = m.segment
         header = bytearray(seg.header)
-        header[SEQ_WORD * 8:SEQ_WORD * 8 + 8] = bytes(8)  # a bracket may open and close
-        arrays = [bytes(getattr(seg, name)) for name in seg.layout.offsets]
+        # A bracket may open and close, and a frame leave its scratch words.
+        for word in (SEQ_WORD, FRAME_CACHE_STAMP_WORD):
+            header[word * 8:word * 8 + 8] = bytes(8)
+        arrays = [bytes(getattr(seg, name)) for name in seg.layout.offsets if name != "undo"]
         return (bytes(header), arrays, m.block_pool.free_queue(), m.block_pool.num_free_blocks,
                 {rid: m.get_block_ids(rid) for rid in self.reqs},
                 [dict(g.num_cached_block) for g in m.groups.managers],

@@ -69,6 +69,7 @@ class BlockPool:
         self._flags = segment.flags
         self._hashes = segment.hashes
         self._words = segment.words
+        self._journal = segment.journal
         self._dsz = digest_size(cfg.hash_algorithm)
         self.num_cached_blocks = 0
         # group id -> {hash: block id | {block id: None, ...}}
@@ -97,6 +98,11 @@ class BlockPool:
                 self._flags[b] = FLAG_SINK
             self.publish()
 
+    @property
+    def next_cache_stamp(self) -> int:
+        """The cache stamp the next cached block gets."""
+        return self._next_cache_stamp
+
     def publish(self) -> None:
         """Write the free count to the segment header and close the mutation
         (the counterpart of `PoolSegment.begin_mutation`)."""
@@ -107,6 +113,7 @@ class BlockPool:
     def record_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
         """Count one prefix-cache lookup (published to the header at once)."""
         st = self.stats
+        self._journal.stats(st)
         st[0] += 1
         st[2] += num_tokens
         if num_hit_tokens:

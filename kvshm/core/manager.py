@@ -9,12 +9,14 @@ mistakes.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterable
 
 from kvshm.core.block_pool import BlockPool
 from kvshm.core.errors import InvalidArgument, RequestTooLong, StaleHits
 from kvshm.core.groups import BlockIds, any_blocks, make_group_logic
 from kvshm.core.hashing import BlockHasher
+from kvshm.core.recovery import RepairReport, repair
 from kvshm.core.request import Request
 from kvshm.core.segment import SEQ_WORD, PoolSegment
 from kvshm.core.specs import PoolConfig
@@ -27,7 +29,9 @@ class KVCacheManager:
     Args:
         config: the pool config (validated here).
         segment: an existing segment to adopt (its config wins; `config` may
-            then be None).  Without one, a new segment named `name` is
+            then be None): a frame its last writer left cut off is rolled
+            back and the derived arrays rebuilt first (`repair_report` says
+            what was done).  Without one, a new segment named `name` is
             created and owned: `close()` unlinks it.
     """
 
@@ -45,7 +49,10 @@ class KVCacheManager:
         self.max_model_len = config.max_model_len
         self.enable_caching = config.enable_caching
         self.num_kv_cache_groups = len(config.groups)
+        self.repair_report: RepairReport | None = None
         try:
+            if attach:
+                self.repair_report = repair(segment)
             segment.begin_mutation()
             self.block_pool = BlockPool(segment, attach=attach)
             self.table = RequestTable(segment)
@@ -55,10 +62,13 @@ class KVCacheManager:
                 # This process is the pool's writer from now on.
                 segment.set("generation", segment.get("generation") + 1)
                 segment.set("coordinator_pid", os.getpid())
+                segment.set("started_ns", time.time_ns())
             self.block_pool.publish()
         except BaseException:
             self._drop_segment()
             raise
+        self.journal = segment.journal
+        self._frame = False
         self.empty_blocks: BlockIds = tuple(() for _ in config.groups)
         self._widths = self.table.widths
         self._hbs = config.hash_block_size
@@ -130,10 +140,9 @@ class KVCacheManager:
             return self.empty_blocks, 0
         blocks, n = self.groups.find_longest_cache_hit(request.block_hashes,
                                                        request.num_tokens - 1)
-        seg = self.segment
-        seg.begin_mutation()
+        self._begin()
         self.block_pool.record_lookup(request.num_tokens, n)
-        self.block_pool.publish()
+        self._end()
         return (blocks if any_blocks(blocks) else self.empty_blocks), n
 
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
@@ -144,12 +153,11 @@ class KVCacheManager:
         """Per group, how many leading blocks of the request every request
         with an allocation shares."""
         self.table.check_room(request_id)
-        seg = self.segment
-        seg.begin_mutation()  # the probe may create an (empty) entry
+        self._begin()  # the probe may create an (empty) entry
         try:
             return self.groups.get_num_common_prefix_blocks(request_id)
         finally:
-            self._publish()
+            self._end()
 
     # -- mutations ---------------------------------------------------------------
     def allocate_slots(self, request: Request, num_new_tokens: int,
@@ -209,8 +217,7 @@ class KVCacheManager:
             self._check_hashes(request)
 
         groups = self.groups
-        words = self._words
-        words[SEQ_WORD] |= 1  # begin_mutation
+        self._begin()
         try:
             groups.remove_skipped_blocks(rid, total_computed)
             need = groups.get_num_blocks_to_allocate(
@@ -227,7 +234,7 @@ class KVCacheManager:
                 groups.cache_blocks(request, n if n < num_tokens else num_tokens)
             return new_blocks
         finally:
-            self.block_pool.publish()
+            self._end()
 
     def _check_hits(self, request: Request, hits: BlockIds) -> None:
         """Hits must be what get_computed_blocks returns for this request now:
@@ -288,23 +295,23 @@ class KVCacheManager:
         """Free every block of the request (tail first).  A request holding
         nothing is fine."""
         rid = request if isinstance(request, str) else request.request_id
-        self.segment.begin_mutation()
+        self._begin()
         try:
             self.groups.free(rid)
             self.table.release(rid)
         finally:
-            self._publish()
+            self._end()
 
     def remove_skipped_blocks(self, request_id: str, total_computed_tokens: int) -> None:
         """Free the request's blocks that are out of the attention window."""
         if total_computed_tokens < 0:
             raise InvalidArgument(f"total_computed_tokens must be >= 0 (got {total_computed_tokens})")
         self.table.check_room(request_id)
-        self.segment.begin_mutation()
+        self._begin()
         try:
             self.groups.remove_skipped_blocks(request_id, total_computed_tokens)
         finally:
-            self._publish()
+            self._end()
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Commit the request's full blocks up to `num_computed_tokens`."""
@@ -316,28 +323,48 @@ class KVCacheManager:
                 f"(got {num_computed_tokens})")
         self._check_hashes(request)
         self.table.check_room(request.request_id)
-        self.segment.begin_mutation()
+        self._begin()
         try:
             self.groups.cache_blocks(request, num_computed_tokens)
         finally:
-            self._publish()
+            self._end()
 
     def evict_blocks(self, block_ids: Iterable[int]) -> None:
         """Drop the listed blocks from the prefix cache (ids may be free, in
         use, uncached or 0)."""
-        self.segment.begin_mutation()
+        self._begin()
         try:
             self.block_pool.evict_blocks(block_ids)
         finally:
-            self._publish()
+            self._end()
 
     def reset_prefix_cache(self) -> bool:
         """Forget all cached hashes; fails (False) while any block is in use."""
-        self.segment.begin_mutation()
+        self._begin()
         try:
             return self.block_pool.reset_prefix_cache()
         finally:
-            self._publish()
+            self._end()
 
-    def _publish(self) -> None:
+    # -- frames ------------------------------------------------------------------
+    def begin_frame(self) -> None:
+        """Open a frame: the ops until `commit_frame()` survive a crash of
+        this process together or not at all (a restarted coordinator rolls
+        a cut-off frame back).  Without one, every op is its own frame."""
+        self.journal.begin(self.block_pool.next_cache_stamp)
+        self._frame = True
+
+    def commit_frame(self) -> None:
+        """Close the frame opened by `begin_frame()`."""
+        self._frame = False
+        self.journal.commit()
+
+    def _begin(self) -> None:
+        self._words[SEQ_WORD] |= 1   # begin_mutation
+        if not self._frame:
+            self.journal.begin(self.block_pool.next_cache_stamp)
+
+    def _end(self) -> None:
         self.block_pool.publish()
+        if not self._frame:
+            self.journal.commit()

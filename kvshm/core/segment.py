@@ -23,6 +23,12 @@ Layout (every array 64-byte aligned, native byte order):
                                           blocks (-1: no entry), number of
                                           cached blocks (-1: not tracked)
     table[g]          int32[max_num_seqs * row_capacity(g)] block ids
+    undo              int64[undo_words(config)]  the open frame's undo log
+                                          (kvshm/core/journal.py)
+    sessions          int64[SESSION_SLOTS * SESSION_WORDS]  resumable
+                                          coordinator sessions (service layer)
+    replies           uint8[SESSION_SLOTS * 2 * REPLY_BYTES]  each session's
+                                          last two frame replies
 
 Links are relative (next = id + next_delta[id]) so that a fresh queue
 [0, 1, ..., n-1] is a constant byte pattern: filling 1M links is a memset,
@@ -31,6 +37,10 @@ not a million Python stores.
 Writers bracket every mutation with `begin_mutation()` / `BlockPool.publish()`:
 `mutation_seq` is odd while a mutation is in progress, so a reader that sees
 the same even value before and after its read got a consistent snapshot.
+A frame (one op, or a coordinator frame of many) is also journaled: the
+undo log holds what it overwrote in the authoritative arrays until it
+commits, so a restarted coordinator can roll a cut-off frame back
+(docs/recovery.md, kvshm/core/recovery.py).
 """
 
 from __future__ import annotations
@@ -56,7 +66,7 @@ MAGIC = b"KVSHMPL\0"
 # (magic, layout version, header size, config fingerprint, num_blocks,
 # creator pid at the same offsets), so `segment_info` reads both kinds.
 ARENA_MAGIC = b"KVSHMKV\0"
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2   # 2: undo log, session records and replies (recovery)
 RID_BYTES = 64
 SLOT_META_FIELDS = 4  # rid_len, owner session, in_use, reserved
 SHM_DIR = "/dev/shm"
@@ -95,6 +105,12 @@ _HEADER = {
     "num_requests": (144, "Q"),
     "created_ns": (152, "Q"),
     "config_len": (160, "I"),
+    # Recovery (layout 2): words of the open frame's undo log (0: none), the
+    # cache stamp at its start, and when the current coordinator took the
+    # pool over (its uptime).
+    "undo_len": (168, "Q"),
+    "frame_cache_stamp": (176, "Q"),
+    "started_ns": (184, "Q"),
 }
 _HEADER_FIXED = 256
 COUNTER_FIELDS = ("num_free_blocks", "queries", "hits", "query_tokens", "hit_tokens",
@@ -105,10 +121,28 @@ FREE_WORD = _COUNTERS_OFFSET // 8
 STATS_WORD = FREE_WORD + 1
 NUM_REQUESTS_WORD = FREE_WORD + 5
 SEQ_WORD = _HEADER["mutation_seq"][0] // 8
+UNDO_LEN_WORD = _HEADER["undo_len"][0] // 8
+FRAME_CACHE_STAMP_WORD = _HEADER["frame_cache_stamp"][0] // 8
+
+# Session records of the coordinator (kvshm/service/sessions.py gives the
+# words their meaning); each has room for its last two frame replies.
+SESSION_SLOTS = 256
+SESSION_WORDS = 16
+SESSION_LAST_SEQ = 1   # the word of a record the undo log restores
+REPLY_BYTES = 16384
 
 
 def _align(n: int, to: int = 64) -> int:
     return -(-n // to) * to
+
+
+def undo_words(config: PoolConfig) -> int:
+    """Capacity of the undo log: the most one frame can journal (every
+    request row's counts and original ids, every slot's metadata, the
+    lookup counters and one session record; see journal.py)."""
+    from kvshm.core.journal import frame_bound
+    return frame_bound(config.max_num_seqs,
+                       [config.row_capacity(g) for g in range(len(config.groups))])
 
 
 def config_fingerprint(config: PoolConfig) -> bytes:
@@ -140,6 +174,9 @@ class Layout:
             ("slot_counts", 4 * 2 * ngroups * slots),
         ]
         arrays += [(f"table{g}", 4 * slots * w) for g, w in enumerate(self.widths)]
+        arrays += [("undo", 8 * undo_words(config)),
+                   ("sessions", 8 * SESSION_SLOTS * SESSION_WORDS),
+                   ("replies", SESSION_SLOTS * 2 * REPLY_BYTES)]
         self.offsets: dict[str, tuple[int, int]] = {}
         off = self.header_size
         for name, size in arrays:
@@ -149,12 +186,14 @@ class Layout:
         self.block_bytes = sum(self.offsets[k][1] for k in (
             "ref_cnt", "next_delta", "prev_delta", "free_stamp", "cache_stamp",
             "hash_group", "flags", "hashes"))
-        self.table_bytes = self.size - self.header_size - self.block_bytes
+        self.recovery_bytes = sum(self.offsets[k][1] for k in ("undo", "sessions", "replies"))
+        self.table_bytes = self.size - self.header_size - self.block_bytes - self.recovery_bytes
 
 
 _FORMATS = {"ref_cnt": "i", "next_delta": "i", "prev_delta": "i", "free_stamp": "q",
             "cache_stamp": "q", "hash_group": "H", "flags": "B", "hashes": "B",
-            "slot_meta": "i", "slot_rid": "B", "slot_counts": "i"}
+            "slot_meta": "i", "slot_rid": "B", "slot_counts": "i", "undo": "q",
+            "sessions": "q", "replies": "B"}
 
 
 class OwnedMapping:
@@ -211,6 +250,8 @@ class PoolSegment(OwnedMapping):
         # words): the writer's hot path stores through this view.
         self.words = buf[:_HEADER_FIXED].cast("Q")
         self._views.append(self.words)
+        from kvshm.core.journal import Journal
+        self.journal = Journal(self)
         self.closed = False
 
     # -- header --------------------------------------------------------------
@@ -293,6 +334,7 @@ class PoolSegment(OwnedMapping):
             ("num_slots", cfg.max_num_seqs),
             ("num_free_blocks", n),
             ("created_ns", time.time_ns()),
+            ("started_ns", time.time_ns()),
             ("config_len", len(lay.config_json)),
             ("coordinator_pid", os.getpid()),
         ):

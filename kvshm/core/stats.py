@@ -66,7 +66,7 @@ def read_stats(seg: PoolSegment, timeout: float = 1.0) -> dict:
         "coordinator_pid": info["pid"],
         "coordinator_alive": info["alive"],
         # A dead coordinator has no uptime: the clock would tick on regardless.
-        "uptime_s": (time.time_ns() - seg.get("created_ns")) / 1e9 if info["alive"] else None,
+        "uptime_s": (time.time_ns() - seg.get("started_ns")) / 1e9 if info["alive"] else None,
         "generation": seg.get("generation"),
         "consistent": before == after and not before & 1,
         "sessions": [{"session": k, **v} for k, v in sorted(sessions.items())],

@@ -2,7 +2,9 @@
 
 The managers keep Python lists as their working copy and write every change
 through to the request's slot, so the segment alone describes who holds which
-block (for `kvshm check`, stats readers and a restarted coordinator).
+block (for `kvshm check`, stats readers and a restarted coordinator).  The
+table is authoritative: every write journals what it overwrites first
+(kvshm/core/journal.py).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ class RequestTable:
         self._counts = segment.slot_counts
         self._tables = segment.tables
         self._words = segment.words
+        self._journal = segment.journal
         self.slot_of: dict[str, int] = {}
         self._free_slots = list(range(self.capacity - 1, -1, -1))
 
@@ -54,6 +57,7 @@ class RequestTable:
         if slot is None:
             self.check_room(request_id)
             slot = self._free_slots.pop()
+            self._journal.slot_meta(slot)
             self.slot_of[request_id] = slot
             raw = request_id.encode()
             base = slot * SLOT_META_FIELDS
@@ -67,7 +71,8 @@ class RequestTable:
     def set_owner(self, request_id: str, owner: int) -> None:
         """Record `owner` (a session id) in the request's slot, if it has one."""
         slot = self.slot_of.get(request_id)
-        if slot is not None:
+        if slot is not None and self._meta[slot * SLOT_META_FIELDS + 1] != owner:
+            self._journal.slot_meta(slot)
             self._meta[slot * SLOT_META_FIELDS + 1] = owner
 
     def owner(self, slot: int) -> int:
@@ -78,12 +83,15 @@ class RequestTable:
         slot = self.slot_of.pop(request_id, None)
         if slot is None:
             return
+        journal = self._journal
+        journal.slot_meta(slot)
         base = slot * SLOT_META_FIELDS
         self._meta[base:base + SLOT_META_FIELDS] = array("i", (0, 0, 0, 0))
         c = self._counts
-        base = slot * self.num_groups * 2
-        for i in range(base, base + 2 * self.num_groups):
-            c[i] = NO_ENTRY
+        for g in range(self.num_groups):
+            journal.row(slot, g)
+            base = (slot * self.num_groups + g) * 2
+            c[base] = c[base + 1] = NO_ENTRY
         self._free_slots.append(slot)
         self._words[NUM_REQUESTS_WORD] = len(self.slot_of)
 
@@ -94,22 +102,28 @@ class RequestTable:
         w = self.widths[group]
         end = start + len(ids)
         assert end <= w, "row capacity is checked before mutating"
+        journal = self._journal
+        journal.row(slot, group)
         if ids:
+            journal.ids(slot, group, start)
             base = slot * w
             self._tables[group][base + start:base + end] = array("i", ids)
         self._counts[(slot * self.num_groups + group) * 2] = end
 
     def write_null(self, request_id: str, group: int, index: int) -> None:
         slot = self.slot_of[request_id]
+        self._journal.ids(slot, group, index)
         self._tables[group][slot * self.widths[group] + index] = 0
 
     def write_num_cached(self, request_id: str, group: int, n: int) -> None:
         slot = self.slot(request_id)
+        self._journal.row(slot, group)
         self._counts[(slot * self.num_groups + group) * 2 + 1] = n
 
     def drop(self, request_id: str, group: int) -> None:
         slot = self.slot_of.get(request_id)
         if slot is not None:
+            self._journal.row(slot, group)
             base = (slot * self.num_groups + group) * 2
             self._counts[base] = NO_ENTRY
             self._counts[base + 1] = NO_ENTRY

@@ -1,0 +1,156 @@
+"""The undo log of the open frame, kept in the pool segment.
+
+A frame is the unit a restarted coordinator either keeps whole or rolls
+back whole: one core op in embedded mode, one protocol frame (an op or a
+batch, and its session record) in the coordinator.  While a frame is open,
+every write to an *authoritative* array (the request table's rows and slot
+metadata, the lookup counters, session records) first saves what it
+overwrites here; the header's `undo_len` covers an entry only once it is
+complete, and `commit()` empties the log in one store.  Derived state (ref
+counts, the free queue, the free count) is not journaled: repair rebuilds it
+from the authoritative arrays (kvshm/core/recovery.py).  A block cached
+during the frame is recognised by its cache stamp (>= `frame_cache_stamp`),
+so caching needs no entries either.
+
+Each entry is saved at most once per frame (the first touch of a row, slot,
+or counter), so one frame never needs more than `frame_bound()` words.
+
+Entries (int64 words):
+
+    FRAME    kind                                      opens every frame, so
+                                                       undo_len > 0 <=> a frame is open
+    ROW      kind, slot, group, count, num_cached      a row's counts
+    PREFIX   kind, slot, group, n, id_0 ... id_n-1     a row's first n ids
+    META     kind, slot, meta[4], rid bytes as 8 words a slot's metadata
+    STATS    kind, queries, hits, query tokens, hit tokens
+    SESSION  kind, session slot, last applied seq
+"""
+
+from __future__ import annotations
+
+from array import array
+
+from kvshm.core.segment import (
+    FRAME_CACHE_STAMP_WORD,
+    RID_BYTES,
+    SLOT_META_FIELDS,
+    UNDO_LEN_WORD,
+)
+
+FRAME, ROW, PREFIX, META, STATS, SESSION = 0, 1, 2, 3, 4, 5
+ROW_WORDS = 5
+PREFIX_HEAD = 4
+STATS_WORDS = 5
+SESSION_ENTRY_WORDS = 3
+# kind, slot, the metadata fields, the request-id bytes as words
+META_WORDS = 2 + SLOT_META_FIELDS + RID_BYTES // 8
+
+
+def frame_bound(num_slots: int, widths: list[int]) -> int:
+    """Words one frame can journal at most, for a table of `num_slots` rows
+    per group of the given widths."""
+    rows = num_slots * sum(ROW_WORDS + PREFIX_HEAD + w for w in widths)
+    return rows + num_slots * META_WORDS + STATS_WORDS + SESSION_ENTRY_WORDS + 1
+
+
+class Journal:
+    """Appends undo entries for the open frame of one segment."""
+
+    def __init__(self, seg) -> None:
+        self._log = seg.undo
+        self._words = seg.words
+        self._len_word = UNDO_LEN_WORD
+        self._stamp_word = FRAME_CACHE_STAMP_WORD
+        self._counts = seg.slot_counts
+        self._tables = seg.tables
+        self._meta = seg.slot_meta
+        self._rid = seg.slot_rid
+        self._num_groups = len(seg.config.groups)
+        self._widths = seg.layout.widths
+        self.n = 0
+        self.open = False
+        self._rows: dict[int, int] = {}   # row key -> its count at the frame's start
+        self._saved: set[int] = set()     # rows whose original ids are saved
+        self._slots: set[int] = set()     # slots whose metadata is saved
+        self._stats = False
+
+    # -- frames --------------------------------------------------------------
+    def begin(self, next_cache_stamp: int) -> None:
+        """Open a frame; blocks cached from now on get stamps >= `next_cache_stamp`."""
+        self.open = True
+        self.n = 0
+        self._rows.clear()
+        self._saved.clear()
+        self._slots.clear()
+        self._stats = False
+        w = self._words
+        w[self._stamp_word] = next_cache_stamp
+        self._log[0] = FRAME
+        w[self._len_word] = self.n = 1
+
+    def commit(self) -> None:
+        """Close the frame: from here on its effects stand (the one store
+        that commits it)."""
+        self._words[self._len_word] = 0
+        self.open = False
+        self.n = 0
+
+    def _append(self, entry) -> None:
+        n = self.n
+        m = n + len(entry)
+        assert m <= len(self._log), "frame_bound() sizes the log for any frame"
+        self._log[n:m] = entry
+        self.n = m
+        self._words[self._len_word] = m   # the entry counts from here on
+
+    # -- entries (no-ops outside a frame) ------------------------------------------
+    def row(self, slot: int, group: int) -> None:
+        """Row (slot, group)'s counts are about to change."""
+        if not self.open:
+            return
+        key = slot * self._num_groups + group
+        if key in self._rows:
+            return
+        c = self._counts
+        count = c[key * 2]
+        self._rows[key] = count
+        self._append(array("q", (ROW, slot, group, count, c[key * 2 + 1])))
+
+    def ids(self, slot: int, group: int, index: int) -> None:
+        """Row (slot, group)'s ids from `index` on are about to change."""
+        if not self.open:
+            return
+        key = slot * self._num_groups + group
+        if key not in self._rows:
+            self.row(slot, group)
+        n = self._rows[key]
+        if index >= n or key in self._saved:
+            return  # beyond the frame's original ids, or already saved
+        self._saved.add(key)
+        w = self._widths[group]
+        entry = array("q", (PREFIX, slot, group, n))
+        entry.extend(self._tables[group][slot * w:slot * w + n])
+        self._append(entry)
+
+    def slot_meta(self, slot: int) -> None:
+        """Slot `slot`'s metadata (and request id) are about to change."""
+        if not self.open or slot in self._slots:
+            return
+        self._slots.add(slot)
+        entry = array("q", (META, slot))
+        entry.extend(self._meta[slot * SLOT_META_FIELDS:(slot + 1) * SLOT_META_FIELDS])
+        entry.frombytes(self._rid[slot * RID_BYTES:(slot + 1) * RID_BYTES])
+        self._append(entry)
+
+    def stats(self, values) -> None:
+        """The lookup counters (currently `values`) are about to change."""
+        if not self.open or self._stats:
+            return
+        self._stats = True
+        self._append(array("q", (STATS, *values)))
+
+    def session(self, slot: int, last_seq: int) -> None:
+        """Session record `slot`'s last applied seq (now `last_seq`) is about
+        to change."""
+        if self.open:
+            self._append(array("q", (SESSION, slot, last_seq)))
