@@ -168,6 +168,11 @@ class KVArena(OwnedMapping):
             shm.close()
             raise
 
+    def claim(self) -> None:
+        """Record this process as the arena's owner (a coordinator adopting
+        it after a restart)."""
+        struct.pack_into("Q", self._shm.buf, _HEADER["coordinator_pid"][0], os.getpid())
+
     def close(self) -> None:
         """Drop this process's mapping (idempotent).  Views taken from `kv`
         must be gone first (numpy keeps the mapping alive otherwise)."""

@@ -160,14 +160,27 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 
 def cmd_rm(args: argparse.Namespace) -> int:
-    from kvshm.core.segment import remove_segment
+    from kvshm.core.segment import list_segments, remove_segment, segment_info
+    from kvshm.service.adoption import remove_pool
 
+    if args.stale == bool(args.names):
+        print("kvshm rm: name pools to remove, or pass --stale (not both)", file=sys.stderr)
+        return 2
+    if args.stale:
+        for info in list_segments():
+            if not info["alive"]:
+                remove_segment(info["name"], force=True)
+                print(f"removed {info['name']} ({info['kind']} of dead process {info['pid']})")
+        return 0
     names = [segment_name(a) for a in args.names]  # all valid, or remove none
     status = 0
     for name in names:
+        info = segment_info(name)
+        if info is not None and info["kind"] == "arena" and name.endswith(".kv"):
+            name = name[:-len(".kv")]   # an arena goes with its pool
         try:
-            remove_segment(name, force=args.force)
-            print(f"removed {name}")
+            for removed in remove_pool(name, force=args.force):
+                print(f"removed {removed}")
         except KvshmError as e:
             print(f"kvshm rm: {e}", file=sys.stderr)
             status = 1
@@ -233,13 +246,23 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 return 2
             config = config.replace(num_blocks=blocks_for_memory(
                 config.kv_block_bytes, parse_size(args.kv_memory))).validate()
-    token = None
-    if args.token_file:
-        try:
-            token = Path(args.token_file).read_text().strip()
-        except OSError as e:
-            print(f"kvshm serve: cannot read {args.token_file}: {e.strerror}", file=sys.stderr)
-            return 2
+    tokens = {}
+    for flag, path in (("token", args.token_file), ("admin_token", args.admin_token_file)):
+        if path:
+            try:
+                tokens[flag] = Path(path).read_text().strip()
+            except OSError as e:
+                print(f"kvshm serve: cannot read {path}: {e.strerror}", file=sys.stderr)
+                return 2
+            if not tokens[flag]:
+                print(f"kvshm serve: {path} is empty", file=sys.stderr)
+                return 2
+    if args.resume_grace < 0:
+        print("kvshm serve: --resume-grace must be >= 0", file=sys.stderr)
+        return 2
+    import logging
+    logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO,
+                        format="kvshm coordinator: %(message)s")
     sock = Path(args.socket) if args.socket else default_socket_path(args.name)
 
     def ready(coord) -> None:
@@ -258,8 +281,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
                       f"{config.kv_block_bytes:,} bytes a block)", flush=True)
         print(f"ready {args.name} {sock}", flush=True)
 
-    run_async(serve(config, name=args.name, socket_path=sock, token=token,
-                          allow_other_uids=args.allow_other_uids, ready=ready))
+    run_async(serve(config, name=args.name, socket_path=sock, **tokens,
+                    allow_other_uids=args.allow_other_uids, fresh=args.fresh,
+                    resume_grace=args.resume_grace, ready=ready))
     if not args.quiet:
         print("kvshm coordinator: stopped, segment removed", flush=True)
     return 0
@@ -323,6 +347,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--name", default="kvshm", help="pool name: segment and socket names")
     p.add_argument("--socket", help="socket path (default: per-user runtime dir)")
     p.add_argument("--token-file", help="clients must present this file's content")
+    p.add_argument("--admin-token-file",
+                   help="sessions presenting this file's content may reset the prefix "
+                   "cache, evict blocks and read the free queue (default: a random token "
+                   "written, 0600, to SOCKET.admin-token)")
+    p.add_argument("--fresh", action="store_true",
+                   help="discard a dead coordinator's pool and KV arena instead of adopting "
+                   "them")
+    p.add_argument("--resume-grace", type=float, default=30.0, metavar="S",
+                   help="after adopting a pool, how long its sessions may take to resume "
+                   "before their requests are freed (30)")
     p.add_argument("--allow-other-uids", action="store_true",
                    help="accept clients of other users (default: same uid only)")
     p.add_argument("--quiet", action="store_true", help="print only the ready line")
@@ -342,8 +376,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(fn=cmd_ls)
 
-    p = sub.add_parser("rm", help="remove pool segments whose owner is dead")
-    p.add_argument("names", nargs="+")
+    p = sub.add_parser("rm", help="remove pools (each with its KV arena) whose owner is dead")
+    p.add_argument("names", nargs="*", help="pool names (or /dev/shm paths)")
+    p.add_argument("--stale", action="store_true",
+                   help="remove every kvshm segment whose owner is dead")
     p.add_argument("--force", action="store_true", help="even if the owner is alive")
     p.set_defaults(fn=cmd_rm)
 

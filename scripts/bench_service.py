@@ -534,7 +534,7 @@ async def _client_run(conn, path, frames, checks, sizes, hash_algorithm, hash_se
         conn.send(("ready",))
         if conn.recv() != "go":
             return {}
-        send = client._send
+        send = client.request
         perf = time.perf_counter_ns
         BatchReply, Allocated, Error = p.BatchReply, p.Allocated, p.Error
         lat = array("q")
@@ -707,7 +707,7 @@ def bench_rss(config: PoolConfig, rec: Recording, total_ops: int, every: int,
             ops = rounds = errors = failed = mismatches = 0
             busy = 0.0
             next_sample = every
-            send = c._send
+            send = c.request
             try:
                 while ops < total_ops:
                     frames, checks, sizes = build_frames(rec.steps, rec.hits, batch,

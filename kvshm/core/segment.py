@@ -306,6 +306,11 @@ class PoolSegment(OwnedMapping):
         self._views.clear()
         self._shm.close()
 
+    def private_copy(self) -> "PoolSegment":
+        """A segment over a private copy of this one's bytes (a dry run of
+        repair or a check that must leave the original untouched)."""
+        return PoolSegment(_Copy(self.name, self._shm.buf), self.layout, owner=False)
+
     # -- initial state ---------------------------------------------------------
     def _initialise(self) -> None:
         lay = self.layout
@@ -445,6 +450,38 @@ class _Shm:
             _posixshmem.shm_unlink("/" + self.name)
         except FileNotFoundError:
             pass
+
+
+class _Copy:
+    """Private bytes standing in for a mapped segment (see private_copy)."""
+
+    def __init__(self, name: str, buf: memoryview) -> None:
+        self.name = name
+        self.buf = memoryview(bytearray(buf))
+
+    def close(self) -> None:
+        self.buf.release()
+
+    def unlink(self) -> None:
+        raise SegmentError("a private copy has no name to unlink")
+
+
+def lock_segment(name: str) -> int:
+    """Take the exclusive lock that marks segment `name`'s one writer; the
+    kernel drops it when this process dies.  Returns the lock's fd (close
+    it to release).  Raises SegmentError if another process holds it."""
+    import fcntl
+    try:
+        fd = _posixshmem.shm_open("/" + name, os.O_RDWR, mode=0o600)
+    except FileNotFoundError:
+        raise SegmentError(f"no segment named {name!r}") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise SegmentError(f"segment {name!r} is locked by another coordinator (it is "
+                           "serving or taking over this pool)") from None
+    return fd
 
 
 def create_shm(name: str | None, size: int, *, what: str = "segment",

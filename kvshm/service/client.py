@@ -7,13 +7,15 @@
 
 Replies come back in order, so calls can be pipelined from several tasks.
 A cancelled or timed-out call never leaves the connection half-read: its
-reply is read and discarded when it arrives.
+reply is read and discarded when it arrives.  The client survives a
+coordinator restart (see `connect(resume=...)` and kvshm/service/resume.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import time
 from collections import deque
 from collections.abc import Sequence
 
@@ -22,29 +24,37 @@ import msgspec
 from kvshm.core.hashing import BlockHasher, hash_fingerprint
 from kvshm.core.specs import PoolConfig
 from kvshm.service import protocol as p
+from kvshm.core.errors import KvshmError
 from kvshm.service.errors import (
     ConnectionClosed,
     ConnectionLost,
     Forbidden,
     ProtocolError,
+    ReplyLost,
     RequestTimeout,
+    ResumeFailed,
     error_from_wire,
 )
+from kvshm.service.resume import Reconnect, RequestMirror
 
 
 REPLY_LIMIT_BYTES = 2**30
 
 
 class _Wire(asyncio.Protocol):
+    """One connection; replies go to its client in order."""
+
     def __init__(self) -> None:
         self.transport: asyncio.Transport | None = None
         # Replies can legitimately be large (a batch of block tables): the
         # client trusts its coordinator and only guards against nonsense.
         self.reader = p.FrameReader(limit=REPLY_LIMIT_BYTES)
         self.decoder = msgspec.msgpack.Decoder(p.ServerMessage)
-        self.waiters: deque[asyncio.Future] = deque()
+        self.on_reply = None            # set by the client: reply -> None
+        self.on_lost = None             # set by the client: exception -> None
+        self.handshake: asyncio.Future | None = None
         self.lost: Exception | None = None
-        self._writable: asyncio.Future | None = None
+        self.writable: asyncio.Future | None = None
 
     def connection_made(self, transport) -> None:
         self.transport = transport
@@ -53,51 +63,92 @@ class _Wire(asyncio.Protocol):
         try:
             for body in self.reader.feed(data):
                 msg = self.decoder.decode(body)
-                fut = self.waiters.popleft()
-                if not fut.done():  # cancelled calls just drop their reply
-                    fut.set_result(msg)
+                hs = self.handshake
+                if hs is not None:
+                    self.handshake = None
+                    if not hs.done():
+                        hs.set_result(msg)
+                else:
+                    self.on_reply(msg)
             if self.reader.broken is not None:
                 raise self.reader.broken
         except (p.FrameTooLarge, msgspec.DecodeError, IndexError) as e:
-            self._fail(ProtocolError(f"unreadable reply from the coordinator: {e}"))
+            self.fail(ProtocolError(f"unreadable reply from the coordinator: {e}"))
             self.transport.close()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        if self.lost is None:
-            self._fail(ConnectionLost("the coordinator closed the connection"
-                                      + (f": {exc}" if exc else "")))
+        self.fail(ConnectionLost("the coordinator closed the connection"
+                                 + (f": {exc}" if exc else "")))
 
-    def _fail(self, err: Exception) -> None:
+    def fail(self, err: Exception) -> None:
+        if self.lost is not None:
+            return
         self.lost = err
-        while self.waiters:
-            fut = self.waiters.popleft()
-            if not fut.done():
-                fut.set_exception(err)
-        if self._writable is not None and not self._writable.done():
-            self._writable.set_exception(err)
+        hs, self.handshake = self.handshake, None
+        if hs is not None and not hs.done():
+            hs.set_exception(err)
+        if self.writable is not None and not self.writable.done():
+            self.writable.set_exception(err)
+        if self.on_lost is not None:
+            self.on_lost(err)
 
     def pause_writing(self) -> None:
-        self._writable = asyncio.get_running_loop().create_future()
+        self.writable = asyncio.get_running_loop().create_future()
 
     def resume_writing(self) -> None:
-        if self._writable is not None and not self._writable.done():
-            self._writable.set_result(None)
-        self._writable = None
+        if self.writable is not None and not self.writable.done():
+            self.writable.set_result(None)
+        self.writable = None
+
+
+class _Call:
+    """A frame sent (or to be sent again after a restart) awaiting its reply."""
+
+    __slots__ = ("fut", "msg", "frame", "seq")
+
+    def __init__(self, fut: asyncio.Future, msg, frame: bytearray) -> None:
+        self.fut = fut
+        self.msg = msg
+        self.frame = frame
+        self.seq = 0
 
 
 class Client:
     """A session with the coordinator; make one with `connect()`."""
 
-    def __init__(self, wire: _Wire, welcome: p.Welcome, tenant: str) -> None:
-        self._wire = wire
+    def __init__(self, path, hello: p.Hello, wire: _Wire, welcome: p.Welcome,
+                 reconnect: "Reconnect | None") -> None:
+        self.path = path
+        self._hello = hello
+        self.reconnect = reconnect
+        self.tenant = hello.tenant
+        self._pending: deque[_Call] = deque()
+        self._seq = 0                    # frames sent in this session
+        self._closed = False
+        self._lost: Exception | None = None          # for good: no reconnecting
+        self._resuming: asyncio.Task | None = None
+        self._resumed: asyncio.Event = asyncio.Event()
+        self.requests = RequestMirror()
+        self.restarts: list[tuple[float, float]] = []   # (lost at, resumed at), monotonic
+        self.replies_lost = 0
+        self._welcome(welcome)
+        self._attach(wire)
+
+    def _welcome(self, welcome: p.Welcome) -> None:
         self.session_id = welcome.session_id
         self.config = PoolConfig.from_json(welcome.config)
         self.pool_segment = welcome.pool_segment
         self.hash_fingerprint = welcome.hash_fingerprint
         self.arena_segment = welcome.arena_segment
-        self.tenant = tenant
         self.admin = welcome.admin
-        self._closed = False
+        self.resume_token = welcome.resume_token
+        self.generation = welcome.generation
+
+    def _attach(self, wire: _Wire) -> None:
+        self._wire = wire
+        wire.on_reply = self._on_reply
+        wire.on_lost = lambda err, wire=wire: self._on_lost(wire, err)
+        self._resumed.set()
 
     # -- lifecycle -------------------------------------------------------------------
     async def close(self) -> None:
@@ -105,11 +156,12 @@ class Client:
         if self._closed:
             return
         self._closed = True
+        if self._resuming is not None:
+            self._resuming.cancel()
         t = self._wire.transport
         if t is not None and not t.is_closing():
             t.close()
-        if self._wire.lost is None:
-            self._wire._fail(ConnectionClosed("the client closed this connection"))
+        self._give_up(ConnectionClosed("the client closed this connection"))
 
     async def __aenter__(self) -> "Client":
         return self
@@ -137,7 +189,7 @@ class Client:
     # -- raw calls ------------------------------------------------------------------------
     async def call(self, msg: msgspec.Struct, timeout: float | None = None):
         """Send one message, return its reply struct (Error replies raise)."""
-        reply = await self._send(msg, timeout)
+        reply = await self.request(msg, timeout)
         if reply.__class__ is p.Error:
             raise error_from_wire(reply.code, reply.message)
         return reply
@@ -146,7 +198,7 @@ class Client:
         """Run `ops` in one frame, atomically with respect to other sessions.
         Returns their replies; if one failed, raises its error with
         `.results` (the replies before it) and `.index` set."""
-        reply = await self._send(p.Batch(list(ops)), timeout)
+        reply = await self.request(p.Batch(list(ops)), timeout)
         if reply.__class__ is p.Error:
             raise error_from_wire(reply.code, reply.message)
         results = reply.results
@@ -158,21 +210,162 @@ class Client:
             raise err
         return results
 
-    async def _send(self, msg: msgspec.Struct, timeout: float | None):
+    async def request(self, msg: msgspec.Struct, timeout: float | None = None):
+        """Send one message and return its reply struct as it is (an `Error`
+        reply is returned, not raised).  While the client reconnects after a
+        coordinator restart, the message waits and goes out after the resume."""
+        if self._lost is not None:
+            raise self._lost
         wire = self._wire
-        if wire.lost is not None:
-            raise wire.lost
-        if wire._writable is not None:
-            await wire._writable
+        if wire.writable is not None and wire.lost is None:
+            try:
+                await wire.writable
+            except KvshmError:
+                pass   # the connection broke: the call waits for the resume
+        if self._lost is not None:
+            raise self._lost
         fut = asyncio.get_running_loop().create_future()
-        wire.waiters.append(fut)
-        wire.transport.write(p.encode_frame(msg))
+        call = _Call(fut, msg, p.encode_frame(msg))
+        self._pending.append(call)
+        if self._wire.lost is None and self._resumed.is_set():
+            self._write(call)
         if timeout is None:
             return await fut
         try:
             return await asyncio.wait_for(fut, timeout)
         except asyncio.TimeoutError:
             raise RequestTimeout(f"no reply within {timeout}s") from None
+
+    def _write(self, call: _Call) -> None:
+        self._seq += 1
+        call.seq = self._seq
+        self._wire.transport.write(call.frame)
+
+    def _on_reply(self, msg) -> None:
+        if msg.__class__ is p.Shutdown:   # a clean stop: nothing will come back
+            self._give_up(ConnectionLost(f"the coordinator shut down ({msg.reason})"))
+            return
+        call = self._pending.popleft()
+        self.requests.apply(call.msg, msg)
+        if not call.fut.done():  # cancelled or timed-out calls just drop their reply
+            call.fut.set_result(msg)
+
+    def _give_up(self, err: Exception) -> None:
+        self._lost = err
+        self._give_up_pending(err)
+        self._resumed.set()
+
+    def _on_lost(self, wire: _Wire, err: Exception) -> None:
+        if wire is not self._wire or self._lost is not None:
+            return
+        if self._closed or self.reconnect is None or not self.resume_token:
+            self._give_up(err)
+            return
+        if self._resuming is not None:   # lost again while resuming: start over
+            self._resuming.cancel()
+        self._resumed.clear()
+        self._resuming = asyncio.get_running_loop().create_task(
+            self._resume(err, time.monotonic()))
+
+    # -- riding through a coordinator restart -------------------------------------------------
+    async def _resume(self, err: Exception, lost_at: float) -> None:
+        """Reconnect, take the session back, restore the requests, settle
+        the calls in flight and resend those not applied.  A new loss of
+        the connection meanwhile cancels this and starts over."""
+        try:
+            welcome = await self._reconnect(err)
+            if not welcome.resumed:
+                # A fresh session: the old one's requests are gone.
+                self.requests.clear()
+                self._give_up_pending(ResumeFailed(
+                    "the coordinator restarted and this session could not be resumed: "
+                    + (welcome.resume_error or "it keeps no session records")))
+                self._seq = 0
+                self._resumed.set()
+                return
+            self._settle_in_flight(welcome)
+            self._seq = welcome.last_seq
+            for frame in self.requests.restore_frames(welcome.requests):
+                await self._send_now(frame)
+            for call in self._pending:    # not applied: send again, in order
+                self._write(call)
+            self.restarts.append((lost_at, time.monotonic()))
+            self._resumed.set()
+        except KvshmError as e:
+            self._give_up(e)
+        except asyncio.CancelledError:
+            pass
+        finally:
+            if self._resuming is asyncio.current_task():
+                self._resuming = None
+
+    async def _reconnect(self, err: Exception) -> p.Welcome:
+        policy = self.reconnect
+        hello = msgspec.structs.replace(self._hello, resume_token=self.resume_token)
+        deadline = time.monotonic() + policy.timeout
+        delay = policy.initial_delay
+        while True:
+            if self._closed:
+                raise ConnectionClosed("the client closed this connection")
+            try:
+                wire, welcome = await open_wire(self.path, hello, policy.connect_timeout)
+                break
+            except (ConnectionLost, RequestTimeout, OSError) as e:
+                if time.monotonic() + delay > deadline:
+                    raise ConnectionLost(f"the coordinator went away ({err}) and did not come "
+                                         f"back within {policy.timeout:g}s: {e}") from None
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, policy.max_delay)
+        self._welcome(welcome)
+        self._attach(wire)
+        self._resumed.clear()
+        return welcome
+
+    def _settle_in_flight(self, welcome: p.Welcome) -> None:
+        """Calls up to `last_seq` were applied: the last one gets its kept
+        reply, earlier ones (replies lost with the old connection) ReplyLost."""
+        last = welcome.last_seq
+        pending = self._pending
+        while pending and 0 < pending[0].seq <= last:
+            call = pending.popleft()
+            reply = None
+            if call.seq == last and welcome.last_reply:
+                reply = self._wire.decoder.decode(welcome.last_reply)
+            if reply is not None:
+                self.requests.apply(call.msg, reply)
+                if not call.fut.done():
+                    call.fut.set_result(reply)
+            else:
+                self.replies_lost += 1
+                self.requests.forget(call.msg)
+                if not call.fut.done():
+                    call.fut.set_exception(ReplyLost(
+                        "the coordinator restarted after applying this call, before its "
+                        "reply was delivered; read the state back"))
+
+    async def _send_now(self, msg) -> None:
+        """One restore frame, ahead of the waiting calls; raises its errors."""
+        fut = asyncio.get_running_loop().create_future()
+        call = _Call(fut, msg, p.encode_frame(msg))
+        self._pending.appendleft(call)
+        self._write(call)
+        try:
+            reply = await fut
+        except asyncio.CancelledError:
+            if call in self._pending:
+                self._pending.remove(call)
+            raise
+        results = reply.results if reply.__class__ is p.BatchReply else (reply,)
+        for r in results:
+            if r.__class__ is p.Error:
+                raise error_from_wire(r.code, "restoring requests after a coordinator "
+                                      f"restart: {r.message}")
+
+    def _give_up_pending(self, err: Exception) -> None:
+        while self._pending:
+            call = self._pending.popleft()
+            if not call.fut.done():
+                call.fut.set_exception(err)
 
     # -- operations --------------------------------------------------------------------------
     async def add_request(self, req: str, prompt: Sequence[int] | None = None, *,
@@ -254,15 +447,33 @@ class Client:
 async def connect(path: str | os.PathLike, *, tenant: str = "", node: int = -1,
                   token: str | None = None, admin: bool = False,
                   admin_token: str | None = None, hash_algorithm: str = "sha256",
-                  hash_seed: str = "kvshm-0", timeout: float = 10.0) -> Client:
+                  hash_seed: str = "kvshm-0", timeout: float = 10.0,
+                  reconnect: "Reconnect | None" = None, resume: bool = True) -> Client:
     """Open a session.  `admin=True` reads the coordinator's generated admin
     token from beside its socket (or pass `admin_token`): the session may
     then reset the prefix cache, evict blocks and read the free queue.
+
+    With `resume` (the default) the client rides through coordinator
+    restarts: it reconnects with bounded exponential backoff (`reconnect`,
+    default `Reconnect()`), takes its session back with its resume token,
+    restores its requests and resends the calls that were not applied
+    (kvshm/service/resume.py).
+
     Raises ConnectionLost if nothing listens at `path`, HandshakeError
     subclasses (VersionMismatch, HashMismatch, Forbidden) if the coordinator
     refuses, RequestTimeout if it does not answer."""
     if admin and admin_token is None:
         admin_token = read_admin_token(path)
+    hello = p.Hello(p.PROTOCOL_VERSION, os.getpid(),
+                    hash_fingerprint(hash_algorithm, hash_seed), node, tenant, token or "",
+                    admin_token or "")
+    wire, welcome = await open_wire(path, hello, timeout)
+    return Client(path, hello, wire, welcome,
+                  (reconnect or Reconnect()) if resume else None)
+
+
+async def open_wire(path, hello: p.Hello, timeout: float) -> tuple[_Wire, p.Welcome]:
+    """Connect and handshake; the wire and its Welcome (errors raised)."""
     loop = asyncio.get_running_loop()
     try:
         _, wire = await asyncio.wait_for(
@@ -271,14 +482,13 @@ async def connect(path: str | os.PathLike, *, tenant: str = "", node: int = -1,
         raise ConnectionLost(f"no coordinator listening at {path}: {e.strerror}") from None
     except asyncio.TimeoutError:
         raise RequestTimeout(f"connecting to {path} took over {timeout}s") from None
-    hello = p.Hello(p.PROTOCOL_VERSION, os.getpid(),
-                    hash_fingerprint(hash_algorithm, hash_seed), node, tenant, token or "",
-                    admin_token or "")
-    client = Client.__new__(Client)
-    client._wire = wire
-    client._closed = False
     try:
-        welcome = await Client._send(client, hello, timeout)
+        wire.handshake = loop.create_future()
+        wire.transport.write(p.encode_frame(hello))
+        try:
+            welcome = await asyncio.wait_for(wire.handshake, timeout)
+        except asyncio.TimeoutError:
+            raise RequestTimeout(f"no Welcome from {path} within {timeout}s") from None
         if welcome.__class__ is p.Error:
             raise error_from_wire(welcome.code, welcome.message)
         if welcome.__class__ is not p.Welcome:
@@ -286,8 +496,7 @@ async def connect(path: str | os.PathLike, *, tenant: str = "", node: int = -1,
     except BaseException:
         wire.transport.close()
         raise
-    Client.__init__(client, wire, welcome, tenant)
-    return client
+    return wire, welcome
 
 
 def read_admin_token(socket_path: str | os.PathLike) -> str:

@@ -57,9 +57,24 @@ class HashMismatch(HandshakeError):
 
 
 class Forbidden(HandshakeError):
-    """Wrong uid or auth token."""
+    """Wrong uid or auth token, or an op that needs an admin session."""
 
     code = "FORBIDDEN"
+
+
+class ResumeFailed(KvshmError):
+    """A session could not be resumed (unknown, expired or live session,
+    another tenant's token); the connection went on as a fresh session."""
+
+    code = "RESUME_FAILED"
+
+
+class ReplyLost(KvshmError):
+    """The coordinator restarted after applying this call but before its
+    reply could be delivered, and the reply was not kept: the call took
+    effect exactly once; read the state back (e.g. get_block_ids)."""
+
+    code = "REPLY_LOST"
 
 
 class NotOwner(KvshmError):
@@ -97,7 +112,8 @@ ERROR_CLASSES: dict[str, type[KvshmError]] = {cls.code: cls for cls in (
     ConfigError, InvalidArgument, StaleHits, UnknownRequest, DuplicateRequest,
     RequestTableFull, RequestTooLong, SegmentError, ShmSpaceError, NoFreeBlocks,
     ProtocolError, FrameTooLarge, BatchTooLarge, HandshakeRequired, HandshakeError,
-    VersionMismatch, HashMismatch, Forbidden, NotOwner, InternalError,
+    VersionMismatch, HashMismatch, Forbidden, NotOwner, InternalError, ResumeFailed,
+    ReplyLost,
 )}
 
 

@@ -26,13 +26,13 @@ async def replay_through(client: Client, ops: list[dict[str, Any]],
     tr = TraceTranslator()
     if batch <= 0:
         for i, op in enumerate(ops):
-            reply = await client._send(tr.message(op), None)
+            reply = await client.request(tr.message(op), None)
             if (m := check_reply(op, tr.got(op, reply), i + 2)) is not None:
                 return m
         return None
     for start in range(0, len(ops), batch):
         chunk = ops[start:start + batch]
-        reply = await client._send(p.Batch([tr.message(op) for op in chunk]), None)
+        reply = await client.request(p.Batch([tr.message(op) for op in chunk]), None)
         if reply.__class__ is p.Error:
             return Mismatch(start + 2, "batch", "", None, f"error {reply.code}: {reply.message}")
         for j, (op, r) in enumerate(zip(chunk, reply.results)):

@@ -8,17 +8,38 @@ object (tokens, hashes, computed count), its owner, and the hits of its last
 lookup (for `AllocateSlots(use_computed_blocks=True)`).  The coordinator
 (server.py) adds only sockets, sessions and framing around it; the embedded
 replay, the benchmarks and the tests call it directly.
+
+With `resumable=True` (the coordinator) sessions get records in the segment
+(service/sessions.py): `execute_frame` runs a frame as one journaled core
+frame that also records its seq and reply, and `adopt()` rebuilds, after a
+restart, what a resuming session takes back (`resume`): its requests, held
+as placeholders until the client restores them with `AddRequest`.
 """
 
 from __future__ import annotations
 
 import logging
 
-from kvshm.core.errors import DuplicateRequest, InvalidArgument, KvshmError, UnknownRequest
+import secrets
+
+from kvshm.core.errors import (
+    DuplicateRequest,
+    InvalidArgument,
+    KvshmError,
+    StaleHits,
+    UnknownRequest,
+)
 from kvshm.core.manager import KVCacheManager
 from kvshm.core.request import Request
 from kvshm.service import protocol as p
-from kvshm.service.errors import BatchTooLarge, Forbidden, InternalError, NotOwner
+from kvshm.service.errors import (
+    BatchTooLarge,
+    Forbidden,
+    InternalError,
+    NotOwner,
+    ResumeFailed,
+)
+from kvshm.service.sessions import SessionRecord, SessionTable, tenant_digest
 
 log = logging.getLogger("kvshm.coordinator")
 
@@ -37,7 +58,8 @@ class Owner:
     pool-wide destructive ops (reset, evict) and see block ids it does not
     hold (the free queue)."""
 
-    __slots__ = ("id", "tenant", "hasher", "admin", "requests")
+    __slots__ = ("id", "tenant", "hasher", "admin", "requests", "record", "seq",
+                 "resume_token")
 
     def __init__(self, id: int, tenant: str, hasher, admin: bool = False) -> None:
         self.id = id
@@ -45,10 +67,15 @@ class Owner:
         self.hasher = hasher
         self.admin = admin
         self.requests: set[str] = set()
+        self.record: int | None = None   # its session record's slot (resumable)
+        self.seq = 0                     # frames applied for it
+        self.resume_token = ""
 
 
 class ReqState:
-    """A request the executor knows: its `Request`, owner and last hits."""
+    """A request the executor knows: its `Request` (None: a placeholder for
+    a request adopted after a restart, until its owner restores it), owner
+    and last hits."""
 
     __slots__ = ("request", "owner", "hits")
 
@@ -66,12 +93,18 @@ class OpExecutor:
         max_batch_ops: the most ops a `Batch` may hold.
     """
 
-    def __init__(self, mgr: KVCacheManager, *, max_batch_ops: int = p.MAX_BATCH_OPS) -> None:
+    def __init__(self, mgr: KVCacheManager, *, max_batch_ops: int = p.MAX_BATCH_OPS,
+                 resumable: bool = False) -> None:
         self.mgr = mgr
         self.config = mgr.config
         self.max_batch_ops = max_batch_ops
         self.requests: dict[str, ReqState] = {}
         self.owners: dict[int, Owner] = {}
+        self.sessions = SessionTable(mgr.segment) if resumable else None
+        # Sessions of the previous coordinator that may still resume, by id.
+        self.unresumed: dict[int, SessionRecord] = {}
+        self._held: dict[int, list[str]] = {}    # their requests
+        self.resumed_requests = 0
         self._base_hasher = mgr.make_hasher()
         self._hashers: dict[str, object] = {}
         self._dispatch = {
@@ -84,22 +117,119 @@ class OpExecutor:
         }
 
     # -- owners --------------------------------------------------------------------------
-    def open_owner(self, id: int, tenant: str = "", *, admin: bool = False) -> Owner:
-        """Register owner `id` (a session) of `tenant`'s namespace."""
+    def open_owner(self, id: int, tenant: str = "", *, admin: bool = False, pid: int = 0,
+                   node: int = -1) -> Owner:
+        """Register owner `id` (a session) of `tenant`'s namespace; with
+        resumable sessions it gets a record and a secret `resume_token`."""
         owner = Owner(id, tenant, self.hasher_for(tenant), admin)
+        if self.sessions is not None:
+            token = secrets.token_urlsafe(24)
+            owner.record = self.sessions.allocate(id, token, tenant, admin=admin, pid=pid,
+                                                  node=node)
+            if owner.record is not None:
+                owner.resume_token = token
         self.owners[id] = owner
         return owner
 
     def close_owner(self, owner: Owner) -> None:
-        """Free every request of `owner` and forget it (a session ended)."""
+        """Free every request of `owner` and forget it (a session ended),
+        in one frame."""
         if self.owners.pop(owner.id, None) is None:
             return
         mgr = self.mgr
+        if mgr.segment.closed:
+            return
+        mgr.begin_frame()
         for rid in owner.requests:
             self.requests.pop(rid, None)
-            if not mgr.segment.closed:
-                mgr.free(rid)
+            mgr.free(rid)
         owner.requests.clear()
+        if owner.record is not None:
+            self.sessions.release(owner.record)
+            owner.record = None
+        mgr.commit_frame()
+
+    # -- restarts ------------------------------------------------------------------------
+    def adopt(self) -> dict[str, int]:
+        """After a restart: the sessions that may resume, each holding its
+        requests as placeholders; requests of sessions without a record are
+        freed.  Returns counts for the log."""
+        mgr = self.mgr
+        records = {r.session_id: r for r in self.sessions.records()}
+        for r in records.values():
+            self.sessions.take(r.slot)
+        held: dict[int, list[str]] = {}
+        table = mgr.table
+        for rid, slot in table.slot_of.items():
+            held.setdefault(table.owner(slot), []).append(rid)
+        orphaned = 0
+        mgr.begin_frame()
+        for sid, rids in held.items():
+            if sid not in records:
+                for rid in rids:
+                    mgr.free(rid)
+                orphaned += len(rids)
+        mgr.commit_frame()
+        self.unresumed = records
+        self._held = {sid: rids for sid, rids in held.items() if sid in records}
+        return {"sessions": len(records), "requests": sum(map(len, self._held.values())),
+                "freed_without_session": orphaned}
+
+    def max_session_id(self) -> int:
+        """The largest session id the segment knows (new ids go above it)."""
+        ids = [r.session_id for r in self.unresumed.values()]
+        table = self.mgr.table
+        ids += [table.owner(slot) for slot in table.slot_of.values()]
+        return max(ids, default=0)
+
+    def resume(self, token: str, tenant: str, *, admin: bool) -> tuple[Owner, list[str]]:
+        """Take back the session whose resume token is `token`: its owner
+        (same id, seq and token) and the ids of its requests (placeholders
+        until restored).  Raises ResumeFailed (unknown, expired or live
+        session, other tenant); nothing changes then."""
+        sessions = self.sessions
+        if sessions is None:
+            raise ResumeFailed("this pool does not keep resumable sessions")
+        for sid, rec in self.unresumed.items():
+            if sessions.token_matches(rec, token):
+                break
+        else:
+            live = any(o.resume_token and o.resume_token == token
+                       for o in self.owners.values())
+            raise ResumeFailed("that session is connected already (a resume token is "
+                               "good for one connection)" if live else
+                               "no session to resume with that token (wrong token, "
+                               "another pool's, or the grace period is over)")
+        if rec.tenant != tenant_digest(tenant):
+            raise ResumeFailed("the resume token belongs to another tenant's session")
+        del self.unresumed[sid]
+        owner = Owner(sid, tenant, self.hasher_for(tenant), admin)
+        owner.record = rec.slot
+        owner.seq = rec.last_seq
+        owner.resume_token = token
+        rids = self._held.pop(sid, [])
+        for rid in rids:
+            self.requests[rid] = ReqState(None, owner)
+            owner.requests.add(rid)
+        self.owners[sid] = owner
+        self.resumed_requests += len(rids)
+        return owner, rids
+
+    def expire_unresumed(self) -> int:
+        """The grace period is over: free the requests of sessions that did
+        not come back (their cached blocks stay cached), drop their records.
+        Returns how many requests were freed."""
+        mgr = self.mgr
+        freed = 0
+        mgr.begin_frame()
+        for sid, rec in self.unresumed.items():
+            for rid in self._held.pop(sid, []):
+                mgr.free(rid)
+                freed += 1
+            self.sessions.release(rec.slot)
+        mgr.commit_frame()
+        self.unresumed = {}
+        return freed
 
     def hasher_for(self, tenant: str):
         """The block hasher of `tenant`'s namespace (None: caching off)."""
@@ -111,6 +241,26 @@ class OpExecutor:
         return h
 
     # -- execution -----------------------------------------------------------------------
+    def execute_frame(self, owner: Owner, msg) -> bytearray:
+        """Run frame `msg` for `owner` as one journaled frame that records
+        its seq and reply; returns the encoded reply frame."""
+        mgr = self.mgr
+        seq = owner.seq + 1
+        mgr.begin_frame()
+        frame = p.encode_frame(self.execute(owner, msg))
+        if owner.record is not None:
+            self.sessions.record_frame(owner.record, seq, frame)
+        mgr.commit_frame()
+        owner.seq = seq
+        return frame
+
+    def last_reply(self, owner: Owner) -> bytes:
+        """The reply body of the last frame applied for `owner` (b"" if not kept)."""
+        if owner.record is None or not owner.seq:
+            return b""
+        frame = self.sessions.reply(owner.record, owner.seq)
+        return b"" if frame is None else frame[4:]
+
     def execute(self, owner: Owner, msg):
         """The reply to one op or `Batch` run for `owner`; errors are `Error`
         replies (a batch stops at its first one, the ops before it stand)."""
@@ -142,6 +292,10 @@ class OpExecutor:
             raise UnknownRequest(rid)
         if st.owner is not owner:
             raise NotOwner(f"request {rid!r} belongs to another session")
+        if st.request is None:
+            raise InvalidArgument(f"request {rid!r} was taken over from the previous "
+                                  "coordinator: restore it with add_request (its tokens) "
+                                  "first")
         return st
 
     def _claim(self, owner: Owner, rid: str) -> None:
@@ -151,7 +305,8 @@ class OpExecutor:
     # -- operations ----------------------------------------------------------------------
     def _add(self, owner: Owner, op: p.AddRequest):
         rid = op.req
-        if rid in self.requests:
+        held = self.requests.get(rid)
+        if held is not None and not (held.request is None and held.owner is owner):
             raise DuplicateRequest(rid)
         if (op.prompt is None) == (op.block_hashes is None):
             raise InvalidArgument("add_request needs either prompt or block_hashes")
@@ -168,9 +323,31 @@ class OpExecutor:
             req = Request.from_block_hashes(
                 rid, op.block_hashes, op.num_tokens, owner.hasher, lora_name=op.lora_name,
                 cache_salt=op.cache_salt, skip_reading_prefix_cache=op.skip_prefix_cache_read)
+        if held is not None:   # restoring a request taken over after a restart
+            self._check_restore(req)
+            held.request = req
+            return p.Done()
         self.requests[rid] = ReqState(req, owner)
         owner.requests.add(rid)
         return p.Done()
+
+    def _check_restore(self, req: Request) -> None:
+        """The restored request's hashes must be those of the cached blocks
+        it holds (else its tokens are not the ones it had)."""
+        mgr = self.mgr
+        pool = mgr.block_pool
+        group_of = mgr.segment.hash_group
+        rid = req.request_id
+        for g, m in enumerate(mgr.groups.managers):
+            blocks = m.req_to_blocks.get(rid) or ()
+            keys = m.group_hashes(req.block_hashes)
+            for i in range(min(m.num_cached_block.get(rid, 0), len(blocks))):
+                b = blocks[i]
+                h = pool.block_hash(b) if b else None
+                if h is not None and group_of[b] == g and (i >= len(keys) or h != keys[i]):
+                    raise InvalidArgument(
+                        f"restoring {rid!r}: its block {i} of group {g} is cached for other "
+                        "tokens than the ones sent (restore a request with the tokens it had)")
 
     def _advance(self, owner: Owner, op: p.Advance):
         req = self._owned(owner, op.req).request
@@ -195,6 +372,10 @@ class OpExecutor:
 
     def _alloc(self, owner: Owner, op: p.AllocateSlots):
         st = self._owned(owner, op.req)
+        if op.use_computed_blocks and st.hits is None and op.num_new_computed_tokens:
+            raise StaleHits(f"request {op.req!r} has no prefix-cache lookup to use (call "
+                            "get_computed_blocks first; lookups do not survive a "
+                            "coordinator restart)")
         if (op.num_new_tokens | op.num_new_computed_tokens | op.num_lookahead_tokens
                 | op.num_external_computed_tokens | op.num_encoder_tokens) > MAX_COUNT:
             for name in _ALLOC_COUNTS:
@@ -234,12 +415,14 @@ class OpExecutor:
         return p.Done()
 
     def _free(self, owner: Owner, op: p.Free):
-        st = self._owned(owner, op.req)
+        st = self.requests.get(op.req)
+        if st is None or st.request is not None or st.owner is not owner:
+            st = self._owned(owner, op.req)   # a placeholder may be freed as it is
         mgr = self.mgr
         mgr.free(op.req)
-        if op.preempted:
+        if op.preempted and st.request is not None:
             st.request.num_preemptions += 1
-        else:  # finished or aborted: the request is gone
+        else:  # finished or aborted (or a placeholder): the request is gone
             del self.requests[op.req]
             owner.requests.discard(op.req)
         return p.FreeBlocks(mgr.block_pool.num_free_blocks)

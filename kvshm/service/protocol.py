@@ -13,7 +13,7 @@ from typing import Union
 
 import msgspec
 
-PROTOCOL_VERSION = 3   # 2: Welcome.arena_segment, Admit; 3: admin sessions
+PROTOCOL_VERSION = 3   # 2: Welcome.arena_segment, Admit; 3: admin and resumable sessions
 MAX_FRAME_BYTES = 8 * 2**20
 MAX_BATCH_OPS = 4096
 _LEN = 4
@@ -32,6 +32,7 @@ class Hello(_Op, tag="hello"):
     tenant: str = ""
     token: str = ""
     admin_token: str = ""   # the coordinator's admin token: reset, evict, free queue
+    resume_token: str = ""  # take back a session after a coordinator restart
 
 
 class Welcome(_Op, tag="welcome"):
@@ -42,6 +43,18 @@ class Welcome(_Op, tag="welcome"):
     hash_fingerprint: str
     arena_segment: str = ""   # the KV data arena ("" when the config has no kv shape)
     admin: bool = False       # the session may reset, evict and read the free queue
+    # Resumable sessions.  Frames after the handshake are numbered 1, 2, ...
+    # per session; `last_seq` is the last one applied (for a resumed session:
+    # frames up to it took effect, later ones did not), `last_reply` its
+    # reply body when still kept, `requests` the ids taken back (restore
+    # each with AddRequest, then Advance, before other ops on it).
+    resume_token: str = ""    # secret; "" when the pool has no record left for it
+    resumed: bool = False
+    last_seq: int = 0
+    last_reply: bytes = b""
+    requests: list[str] = []
+    resume_error: str = ""    # why a presented resume token was not honoured
+    generation: int = 0       # the coordinator's incarnation (+1 per adoption)
 
 
 # -- operations (they mirror KVCacheManager) ----------------------------------------
@@ -210,6 +223,13 @@ class Error(_Op, tag="error"):
     message: str
 
 
+class Shutdown(_Op, tag="shutdown"):
+    """Not a reply: the coordinator's last frame on every connection when it
+    stops cleanly (its pool is gone with it, so there is nothing to resume)."""
+
+    reason: str = ""
+
+
 Reply = Union[Done, ComputedBlocks, Allocated, Admitted, FreeBlocks, BlockIds, CommonPrefix,
               ResetResult, Stats, Error]
 
@@ -222,7 +242,7 @@ class BatchReply(_Op, tag="batch"):
 
 
 ServerMessage = Union[Welcome, BatchReply, Done, ComputedBlocks, Allocated, Admitted,
-                      FreeBlocks, BlockIds, CommonPrefix, ResetResult, Stats, Error]
+                      FreeBlocks, BlockIds, CommonPrefix, ResetResult, Stats, Error, Shutdown]
 
 
 # -- framing --------------------------------------------------------------------------

@@ -34,11 +34,15 @@ from kvshm.service.errors import (
     HandshakeRequired,
     HashMismatch,
     ProtocolError,
+    ResumeFailed,
     VersionMismatch,
 )
+from kvshm.service.adoption import adopt_pool, create_pool
 from kvshm.service.ops import OpExecutor, Owner
 
 log = logging.getLogger("kvshm.coordinator")
+
+DEFAULT_RESUME_GRACE = 30.0
 
 
 class Session(asyncio.Protocol):
@@ -66,9 +70,9 @@ class Session(asyncio.Protocol):
                                     struct.calcsize("3i"))
             self.peer_pid, uid, _gid = struct.unpack("3i", creds)
             if uid != os.getuid() and not self.coord.allow_other_uids:
-                self._reply(p.Error(Forbidden.code,
-                                    f"peer uid {uid} is not this coordinator's uid "
-                                    f"{os.getuid()} (serve with --allow-other-uids)"))
+                self._reply(p.encode_frame(p.Error(
+                    Forbidden.code, f"peer uid {uid} is not this coordinator's uid "
+                    f"{os.getuid()} (serve with --allow-other-uids)")))
                 transport.close()
                 return
         self.coord.sessions[self.id] = self
@@ -106,12 +110,12 @@ class Session(asyncio.Protocol):
             self._fatal(FrameTooLarge.code, str(self.reader.broken))
 
     # -- helpers -----------------------------------------------------------------------
-    def _reply(self, msg: msgspec.Struct | None) -> None:
-        if msg is not None:
-            self.transport.write(p.encode_frame(msg))
+    def _reply(self, frame: bytes | bytearray | None) -> None:
+        if frame is not None:
+            self.transport.write(frame)
 
     def _fatal(self, code: str, message: str) -> None:
-        self._reply(p.Error(code, message))
+        self._reply(p.encode_frame(p.Error(code, message)))
         self.transport.close()
 
 
@@ -138,7 +142,8 @@ class Coordinator:
                  allow_other_uids: bool = False,
                  max_frame_bytes: int = p.MAX_FRAME_BYTES,
                  max_batch_ops: int = p.MAX_BATCH_OPS,
-                 write_buffer_high: int = 4 * 2**20) -> None:
+                 write_buffer_high: int = 4 * 2**20, adopt: bool = False,
+                 resume_grace: float = DEFAULT_RESUME_GRACE) -> None:
         self.socket_path = Path(socket_path)
         self.token = token or None
         self.admin_token = admin_token or None
@@ -147,28 +152,30 @@ class Coordinator:
         self.max_frame_bytes = max_frame_bytes
         self.max_batch_ops = max_batch_ops
         self.write_buffer_high = write_buffer_high
-        self.arena = None
-        if config.kv is not None:
-            from kvshm.arena import arena_bytes
-            from kvshm.core.segment import Layout, check_shm_space
-            # Both segments must fit: refuse before creating either.
-            check_shm_space(Layout(config.validate()).size + arena_bytes(config))
-        self.mgr = KVCacheManager(config, name=name)
+        self.resume_grace = resume_grace
+        self.pool = adopt_pool(config, name) if adopt else create_pool(config, name)
+        self.mgr = self.pool.mgr
+        self.arena = self.pool.arena
+        self.adoption = self.pool.adoption
         self.config = self.mgr.config
         self.name = name
-        if config.kv is not None:
-            from kvshm.arena import KVArena, arena_name
-            try:
-                self.arena = KVArena.create(self.config, arena_name(name), check_space=False)
-            except BaseException:
-                self.mgr.close()
-                raise
-        self.executor = OpExecutor(self.mgr, max_batch_ops=max_batch_ops)
+        self.executor = OpExecutor(self.mgr, max_batch_ops=max_batch_ops, resumable=True)
+        first_id = 1
+        if self.adoption is not None:
+            found = self.executor.adopt()
+            self.adoption.notes.append(
+                f"{found['sessions']} session(s) may resume within {resume_grace:g}s, "
+                f"holding {found['requests']} request(s); freed "
+                f"{found['freed_without_session']} request(s) of sessions without a record")
+            first_id = self.executor.max_session_id() + 1
         self.fingerprint = hash_fingerprint(self.config.hash_algorithm, self.config.hash_seed)
+        self.generation = self.mgr.segment.get("generation")
         self.sessions: dict[int, Session] = {}
-        self._session_ids = itertools.count(1)
+        self._session_ids = itertools.count(first_id)
         self._server: asyncio.AbstractServer | None = None
+        self._grace: asyncio.TimerHandle | None = None
         self._bound = False
+        self._served = False
         self._decoder = msgspec.msgpack.Decoder(p.Message)
         self._config_json = self.config.to_json()
 
@@ -189,7 +196,11 @@ class Coordinator:
         finally:
             os.umask(old_umask)
         self._bound = True
+        self._served = True
         os.chmod(path, 0o600)
+        if self.executor.unresumed:
+            self._grace = asyncio.get_running_loop().call_later(self.resume_grace,
+                                                                self.expire_unresumed)
         if self.admin_token is None:
             self.admin_token = secrets.token_urlsafe(32)
             self._admin_file = admin_token_path(path)
@@ -200,8 +211,10 @@ class Coordinator:
         the pool and unlink the segment and the socket."""
         if self._server is not None:
             self._server.close()
+            bye = p.encode_frame(p.Shutdown("the coordinator stopped"))
             for s in list(self.sessions.values()):
-                if s.transport is not None:
+                if s.transport is not None and not s.transport.is_closing():
+                    s.transport.write(bye)
                     s.transport.close()
             await self._server.wait_closed()
             self._server = None
@@ -216,11 +229,22 @@ class Coordinator:
         if self._admin_file is not None:
             self._admin_file.unlink(missing_ok=True)
             self._admin_file = None
-        self.mgr.close()
-        if self.arena is not None:
-            self.arena.close()
-            self.arena.unlink()
-            self.arena = None
+        if self._grace is not None:
+            self._grace.cancel()
+            self._grace = None
+        # A pool taken over but never served is left as it was found.
+        self.pool.close(unlink=self._served or self.adoption is None)
+        self.arena = None
+
+    def expire_unresumed(self) -> None:
+        """End of the grace period: requests of sessions that did not come
+        back are freed (their cached blocks stay cached)."""
+        self._grace = None
+        n = len(self.executor.unresumed)
+        freed = self.executor.expire_unresumed()
+        if n:
+            log.info("resume grace period over: %d session(s) did not come back, "
+                     "freed their %d request(s)", n, freed)
 
     # -- sessions ----------------------------------------------------------------------------
     def _end_session(self, s: Session) -> None:
@@ -230,25 +254,26 @@ class Coordinator:
             self.executor.close_owner(s.owner)
 
     # -- frames --------------------------------------------------------------------------------
-    def handle(self, s: Session, body: bytes) -> msgspec.Struct | None:
-        """The reply to one frame body from session `s` (None: the session
-        was refused and its transport closed)."""
+    def handle(self, s: Session, body: bytes) -> bytes | bytearray | None:
+        """The encoded reply frame to one frame body from session `s`
+        (None: the session was refused and its transport closed)."""
         try:
             msg = self._decoder.decode(body)
         except msgspec.DecodeError as e:  # ValidationError included: it names the path
-            return p.Error(ProtocolError.code, f"bad message: {e}")
+            return p.encode_frame(p.Error(ProtocolError.code, f"bad message: {e}"))
         if s.owner is None:
             if msg.__class__ is not p.Hello:
-                return p.Error(HandshakeRequired.code, "the first message must be Hello")
+                return p.encode_frame(p.Error(HandshakeRequired.code,
+                                              "the first message must be Hello"))
             reply = self._handshake(s, msg)
             if reply.__class__ is p.Error:  # no second guess on this connection
                 s.transport.write(p.encode_frame(reply))
                 s.transport.close()
                 return None
-            return reply
+            return p.encode_frame(reply)
         if msg.__class__ is p.Hello:
-            return p.Error(ProtocolError.code, "Hello was already received")
-        return self.executor.execute(s.owner, msg)
+            return p.encode_frame(p.Error(ProtocolError.code, "Hello was already received"))
+        return self.executor.execute_frame(s.owner, msg)
 
     def _handshake(self, s: Session, hello: p.Hello) -> msgspec.Struct:
         if hello.version != p.PROTOCOL_VERSION:
@@ -268,10 +293,30 @@ class Coordinator:
                            f"differs from the pool's {self.fingerprint} (same "
                            "hash_algorithm and hash_seed needed)")
         s.hello = hello
-        s.owner = self.executor.open_owner(s.id, hello.tenant, admin=admin)
+        ex = self.executor
+        resumed, rids, resume_error = False, [], ""
+        if hello.resume_token:
+            try:
+                owner, rids = ex.resume(hello.resume_token, hello.tenant, admin=admin)
+            except ResumeFailed as e:   # go on as a fresh session, and say why
+                resume_error = str(e)
+            else:
+                resumed = True
+                del self.sessions[s.id]   # the session takes its old id back
+                s.id = owner.id
+                self.sessions[s.id] = s
+                s.owner = owner
+                log.info("session %d resumed (pid %d): %d request(s) taken back",
+                         s.id, s.peer_pid, len(rids))
+        if not resumed:
+            s.owner = ex.open_owner(s.id, hello.tenant, admin=admin, pid=hello.pid,
+                                    node=hello.node)
+        owner = s.owner
         return p.Welcome(p.PROTOCOL_VERSION, s.id, self._config_json, self.mgr.segment.name,
                          self.fingerprint, self.arena.name if self.arena is not None else "",
-                         admin)
+                         admin, owner.resume_token, resumed, owner.seq,
+                         ex.last_reply(owner) if resumed else b"", rids, resume_error,
+                         self.generation)
 
 
 def _socket_answers(path: Path) -> bool:
@@ -309,22 +354,47 @@ def write_private_file(path: Path, text: str) -> None:
 
 async def serve(config: PoolConfig, *, name: str, socket_path: str | Path,
                 token: str | None = None, admin_token: str | None = None,
-                allow_other_uids: bool = False,
+                allow_other_uids: bool = False, fresh: bool = False,
+                resume_grace: float = DEFAULT_RESUME_GRACE,
                 ready: Callable[[Coordinator], None] | None = None) -> None:
-    """Run a coordinator until SIGINT/SIGTERM, then shut down cleanly."""
+    """Run a coordinator until SIGINT/SIGTERM, then shut down cleanly.
+
+    A pool of a dead coordinator under `name` is adopted (`fresh`: discarded
+    first, with its arena); a live one's is refused.  Raises InvalidArgument
+    and SegmentError (refusals) before serving."""
     import gc
     import signal
 
+    from kvshm.arena import arena_name
+    from kvshm.core.faults import core_classes, install_from_env
     from kvshm.core.segment import segment_info
+    from kvshm.service.adoption import remove_pool
+    from kvshm.service.sessions import SessionTable
 
     info = segment_info(name)
-    if info is not None:
-        if info["alive"]:
-            raise InvalidArgument(f"pool {name!r} is served by live process {info['pid']}")
-        raise InvalidArgument(f"a segment {name!r} of a dead coordinator (pid "
-                              f"{info['pid']}) exists: remove it with `kvshm rm {name}`")
+    if info is not None and info["alive"]:
+        raise InvalidArgument(f"pool {name!r} is served by live process {info['pid']}")
+    if fresh and (info is not None or segment_info(arena_name(name)) is not None):
+        for removed in remove_pool(name):
+            log.warning("--fresh: removed segment %s", removed)
+        info = None
+    if info is None:
+        stale = segment_info(arena_name(name))
+        if stale is not None and not stale["alive"]:   # an arena without its pool
+            remove_pool(name)
+            log.warning("removed the KV arena %s of a dead coordinator (its pool was gone)",
+                        arena_name(name))
+    crash = install_from_env({**core_classes(), "OpExecutor": OpExecutor,
+                              "SessionTable": SessionTable, "Session": Session,
+                              "Coordinator": Coordinator})
+    if crash is not None:
+        log.warning("fault injection: this coordinator exits at %s", crash)
     coord = Coordinator(config, name=name, socket_path=socket_path, token=token,
-                        admin_token=admin_token, allow_other_uids=allow_other_uids)
+                        admin_token=admin_token, allow_other_uids=allow_other_uids,
+                        adopt=info is not None, resume_grace=resume_grace)
+    if coord.adoption is not None:
+        for line in coord.adoption.lines():
+            log.warning("pool %s: %s", name, line)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

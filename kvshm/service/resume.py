@@ -1,0 +1,121 @@
+"""What a client needs to ride through a coordinator restart.
+
+`Reconnect` is the backoff policy.  `RequestMirror` is the client's copy of
+the request state the coordinator keeps only in memory (each live request's
+tokens or hashes, its extra keys and computed count), updated from every
+reply, so that after a restart the client can restore its requests
+(`restore_frames`): the coordinator takes back their block tables from the
+segment, and AddRequest + Advance give them their tokens again.
+
+How a call in flight at the crash is settled (Client._settle_in_flight):
+frames are numbered per session, and the coordinator records the seq of
+each frame inside that frame's journaled mutation, with its reply.  On
+resume it says `last_seq`: calls numbered up to it were applied (the last
+one gets its kept reply, as if nothing happened; an earlier one whose
+reply was lost with the old connection raises ReplyLost, and its requests
+are released), later ones were not and are sent again after the restore.
+No call is lost silently or applied twice.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvshm.service import protocol as p
+
+RESTORE_REQUESTS_PER_FRAME = 64
+
+
+@dataclass(frozen=True)
+class Reconnect:
+    """Reconnection after the coordinator went away: retry every
+    `initial_delay` seconds, doubling up to `max_delay`, for at most
+    `timeout` seconds in all (each attempt waits `connect_timeout`)."""
+
+    initial_delay: float = 0.02
+    max_delay: float = 1.0
+    timeout: float = 60.0
+    connect_timeout: float = 5.0
+
+
+class _Req:
+    __slots__ = ("tokens", "hashes", "num_tokens", "lora_name", "cache_salt", "skip",
+                 "computed")
+
+    def __init__(self, op: p.AddRequest) -> None:
+        self.tokens = None if op.prompt is None else list(op.prompt)
+        self.hashes = None if op.block_hashes is None else list(op.block_hashes)
+        self.num_tokens = len(self.tokens) if self.tokens is not None else op.num_tokens
+        self.lora_name = op.lora_name
+        self.cache_salt = op.cache_salt
+        self.skip = op.skip_prefix_cache_read
+        self.computed = 0
+
+
+class RequestMirror:
+    """The client-side state of its live requests, kept from the replies."""
+
+    def __init__(self) -> None:
+        self._reqs: dict[str, _Req] = {}
+
+    def __len__(self) -> int:
+        return len(self._reqs)
+
+    def __contains__(self, rid: str) -> bool:
+        return rid in self._reqs
+
+    def clear(self) -> None:
+        self._reqs.clear()
+
+    def apply(self, msg, reply) -> None:
+        """Record the effect of `msg`, answered by `reply`."""
+        if reply.__class__ is p.Error:   # refused whole: nothing happened
+            return
+        if msg.__class__ is p.Batch:
+            one = self._one
+            for op, r in zip(msg.ops, reply.results):
+                if r.__class__ is p.Error:
+                    break
+                one(op)
+        else:
+            self._one(msg)
+
+    def _one(self, op) -> None:
+        cls = op.__class__
+        if cls is p.Advance:
+            r = self._reqs.get(op.req)
+            if r is None:
+                return
+            if op.append_hashes or op.num_appended:
+                r.hashes.extend(op.append_hashes)
+                r.num_tokens += op.num_appended
+            elif op.append:
+                r.tokens.extend(op.append)
+                r.num_tokens += len(op.append)
+            r.computed = op.num_computed_tokens
+        elif cls is p.AddRequest:
+            self._reqs[op.req] = _Req(op)
+        elif cls is p.Free and not op.preempted:
+            self._reqs.pop(op.req, None)
+
+    def forget(self, msg) -> None:
+        """The effect of `msg` is unknown (its reply was lost): drop the
+        requests it names, which the restore then releases."""
+        for op in (msg.ops if msg.__class__ is p.Batch else (msg,)):
+            rid = getattr(op, "req", None)
+            if rid is not None:
+                self._reqs.pop(rid, None)
+
+    def restore_frames(self, held: list[str]) -> list[p.Batch]:
+        """Frames that give the coordinator every request back (AddRequest
+        with all its tokens, Advance to its computed count) and free the
+        taken-back ones this client does not know any more."""
+        ops = []
+        for rid, r in self._reqs.items():
+            ops.append(p.AddRequest(rid, r.tokens, r.hashes,
+                                    0 if r.tokens is not None else r.num_tokens,
+                                    r.lora_name, r.cache_salt, r.skip))
+            ops.append(p.Advance(rid, r.computed))
+        ops += [p.Free(rid) for rid in held if rid not in self._reqs]
+        n = 2 * RESTORE_REQUESTS_PER_FRAME
+        return [p.Batch(ops[i:i + n]) for i in range(0, len(ops), n)]
