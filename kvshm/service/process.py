@@ -35,7 +35,8 @@ class CoordinatorProcess:
     shutdown that unlinks its segments) if the parent dies."""
 
     def __init__(self, config, *, name: str | None = None, extra_args: tuple = (),
-                 new_session: bool = False, with_parent: bool = False) -> None:
+                 new_session: bool = False, with_parent: bool = False,
+                 env: dict | None = None) -> None:
         self._dir = tempfile.TemporaryDirectory(prefix="kvshm-")
         d = Path(self._dir.name)
         self.name = name or f"kvshm-{secrets.token_hex(5)}"
@@ -46,12 +47,31 @@ class CoordinatorProcess:
         # that logs a lot.
         self.stderr_path = d / "stderr.log"
         self._stderr = open(self.stderr_path, "w+")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvshm", "serve", "--config", str(cfg_path),
-             "--name", self.name, "--socket", str(self.socket), "--quiet", *extra_args],
-            stdout=subprocess.PIPE, stderr=self._stderr, text=True,
-            start_new_session=new_session,
-            preexec_fn=die_with_parent if with_parent else None)
+        self._argv = [sys.executable, "-m", "kvshm", "serve", "--config", str(cfg_path),
+                      "--name", self.name, "--socket", str(self.socket), "--quiet",
+                      *extra_args]
+        self._popen = dict(stdout=subprocess.PIPE, stderr=self._stderr, text=True,
+                           start_new_session=new_session,
+                           preexec_fn=die_with_parent if with_parent else None)
+        self.restarts = 0
+        self.proc = subprocess.Popen(self._argv, env=env, **self._popen)
+
+    def kill(self) -> None:
+        """SIGKILL the coordinator and reap it (its segments stay behind)."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+
+    def restart(self, env: dict | None = None, wait: bool = True) -> None:
+        """Start `kvshm serve` again with the same command line (the
+        coordinator must have exited): it adopts the pool."""
+        if self.proc.poll() is None:
+            raise RuntimeError("the coordinator is still running")
+        self.proc.stdout.close()
+        self.proc = subprocess.Popen(self._argv, env=env, **self._popen)
+        self.restarts += 1
+        if wait:
+            self.wait_ready()
 
     @property
     def stderr(self) -> str:

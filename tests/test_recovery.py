@@ -1,0 +1,282 @@
+"""A pool outlives its coordinator: adoption after SIGKILL, resumed sessions,
+the grace period, refusals that leave the segments untouched, the writer
+lock, and the rights of ordinary and admin sessions (docs/recovery.md).
+
+The crash-point sweep is in test_crash_points.py."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+import subprocess
+import sys
+
+import msgspec
+import pytest
+
+from helpers import make_config, tokens, until
+from kvshm.core.check import check_segment
+from kvshm.core.segment import PoolSegment, remove_segment, segment_info
+from kvshm.service import protocol as p
+from kvshm.service.client import connect, open_wire
+from kvshm.service.errors import ConnectionLost, Forbidden
+from kvshm.service.process import CoordinatorProcess
+from kvshm.service.resume import Reconnect
+
+CFG = make_config(num_blocks=64, max_num_seqs=16)
+FAST = Reconnect(initial_delay=0.01, max_delay=0.2, timeout=20)
+
+
+def _check(name: str):
+    seg = PoolSegment.attach(name)
+    try:
+        return check_segment(seg)
+    finally:
+        seg.close()
+
+
+async def _client(proc, **kw):
+    kw.setdefault("reconnect", FAST)
+    return await connect(proc.socket, hash_algorithm=CFG.hash_algorithm,
+                         hash_seed=CFG.hash_seed, **kw)
+
+
+def _serve(config, name: str, sock, *extra, timeout=30) -> subprocess.CompletedProcess:
+    path = sock.parent / f"{name}.json"
+    path.write_bytes(config.to_json())
+    return subprocess.run([sys.executable, "-m", "kvshm", "serve", "--config", str(path),
+                           "--name", name, "--socket", str(sock), "--quiet", *extra],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture
+def pool_name():
+    name = f"kvshm-test-{secrets.token_hex(5)}"
+    yield name
+    for n in (name, f"{name}.kv"):
+        if segment_info(n) is not None:
+            remove_segment(n, force=True)
+
+
+async def test_sigkill_of_the_coordinator_is_a_pause(pool_name):
+    """Requests, block tables and the prefix cache survive; the client does
+    not notice beyond a delay."""
+    with CoordinatorProcess(CFG, name=pool_name) as proc:
+        c = await _client(proc)
+        prompt = tokens(0, 14)                      # 3 full blocks + 2 tokens
+        await c.add_request("done", prompt)
+        await c.allocate_slots("done", 14)
+        await c.free("done")                        # finished: its 3 full blocks stay cached
+        await c.add_request("run", tokens(100, 110))
+        await c.allocate_slots("run", 10)
+        await c.advance("run", 10, [7])
+        held = await c.get_block_ids("run")
+        sid = c.session_id
+        proc.kill()
+        proc.restart()
+        assert await c.get_block_ids("run") == held  # taken back, restored
+        assert c.session_id == sid and c.generation == 1 and len(c.restarts) == 1
+        await c.add_request("again", prompt)
+        hits, n = await c.get_computed_blocks("again")
+        assert n == 12 and len(hits[0]) == 3         # the cache survived the crash
+        await c.allocate_slots("again", 2, 12, use_computed_blocks=True)
+        assert await c.allocate_slots("run", 1) is not None   # "run" is whole again
+        assert _check(pool_name).clean
+        await c.close()
+        await asyncio.sleep(0.1)
+        st = _check(pool_name)
+        assert st.clean and st.num_requests == 0
+    assert segment_info(pool_name) is None
+
+
+async def test_a_session_that_does_not_come_back_is_freed_after_the_grace_period(pool_name):
+    with CoordinatorProcess(CFG, name=pool_name, extra_args=("--resume-grace", "0.5")) as proc:
+        gone = await _client(proc, resume=False)
+        await gone.add_request("lost", tokens(0, 9))
+        await gone.allocate_slots("lost", 9)
+        await gone.cache_blocks("lost", 8)
+        proc.kill()
+        proc.restart()
+        with pytest.raises(ConnectionLost):
+            await gone.get_block_ids("lost")
+        seg = PoolSegment.attach(pool_name)
+        try:
+            assert seg.get("num_requests") == 1      # held for a resume...
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + 10
+            while seg.get("num_requests") and loop.time() < deadline:
+                await asyncio.sleep(0.05)
+            assert seg.get("num_requests") == 0      # ... then freed
+            report = check_segment(seg)
+            assert report.clean and report.num_cached_blocks == 2   # the cache stays
+        finally:
+            seg.close()
+        c = await _client(proc)
+        await c.add_request("x", tokens(0, 9))
+        assert (await c.get_computed_blocks("x"))[1] == 8
+        await c.close()
+
+
+@pytest.mark.parametrize("token", ["wrong", "", "reused"])
+async def test_a_bad_resume_token_starts_a_fresh_session(pool_name, token):
+    with CoordinatorProcess(CFG, name=pool_name) as proc:
+        a = await _client(proc)
+        await a.add_request("a1", tokens(0, 9))
+        await a.allocate_slots("a1", 9)
+        before = await a.get_block_ids("a1")
+        hello = p.Hello(p.PROTOCOL_VERSION, os.getpid(), a.hash_fingerprint,
+                        resume_token=a.resume_token if token == "reused" else token or "x" * 32)
+        wire, welcome = await open_wire(proc.socket, hello, 5)
+        try:
+            assert not welcome.resumed and welcome.requests == []
+            assert welcome.session_id != a.session_id and welcome.resume_token
+            assert ("connected already" if token == "reused" else "no session to resume") \
+                in welcome.resume_error
+        finally:
+            wire.transport.close()
+        assert await a.get_block_ids("a1") == before   # nothing of A was touched
+        await a.close()
+
+
+def test_a_config_mismatch_at_adoption_is_refused_and_names_the_fields(pool_name, sockdir):
+    with CoordinatorProcess(CFG, name=pool_name) as proc:
+        proc.kill()
+        seg = PoolSegment.attach(pool_name)
+        before = bytes(seg._shm.buf)
+        seg.close()
+        other = CFG.replace(num_blocks=128, max_model_len=32).validate()
+        res = _serve(other, pool_name, sockdir / "s.sock")
+        assert res.returncode == 2, res.stderr
+        assert "num_blocks: 64 -> 128" in res.stderr and "max_model_len" in res.stderr
+        assert "--fresh" in res.stderr and "Traceback" not in res.stderr
+        seg = PoolSegment.attach(pool_name)
+        assert bytes(seg._shm.buf) == before        # untouched
+        seg.close()
+        fresh = subprocess.Popen(
+            [sys.executable, "-m", "kvshm", "serve", "--config",
+             str(sockdir / f"{pool_name}.json"), "--name", pool_name, "--socket",
+             str(sockdir / "s.sock"), "--quiet", "--fresh"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            assert fresh.stdout.readline().startswith("ready"), fresh.stderr.read()
+            assert PoolSegment.attach(pool_name).config.num_blocks == 128
+        finally:
+            fresh.terminate()
+            assert fresh.wait(10) == 0
+            fresh.stdout.close()
+            fresh.stderr.close()
+    assert segment_info(pool_name) is None
+
+
+def test_a_corrupted_pool_is_refused_with_its_problems_and_left_untouched(pool_name, sockdir):
+    with CoordinatorProcess(CFG, name=pool_name) as proc:
+        async def work():
+            c = await _client(proc, resume=False)
+            await c.add_request("r", tokens(0, 9))
+            await c.allocate_slots("r", 9)
+            proc.kill()
+            await c.close()
+        asyncio.run(work())
+        seg = PoolSegment.attach(pool_name)
+        seg.ref_cnt[1] += 5                         # derived: repair could fix this ...
+        seg.tables[0][0] = 9999                     # ... not a row naming no block
+        before = bytes(seg._shm.buf)
+        seg.close()
+        res = _serve(CFG, pool_name, sockdir / "s.sock")
+        seg = PoolSegment.attach(pool_name)
+        after = bytes(seg._shm.buf)
+        seg.close()
+    assert res.returncode == 2, res.stderr
+    assert "cannot be repaired" in res.stderr and "--fresh" in res.stderr
+    assert after == before
+
+
+def test_two_coordinators_racing_to_adopt_a_pool_one_wins(pool_name, sockdir):
+    with CoordinatorProcess(CFG, name=pool_name) as proc:
+        proc.kill()
+        path = sockdir / "race.json"
+        path.write_bytes(CFG.to_json())
+        procs = [subprocess.Popen(
+            [sys.executable, "-m", "kvshm", "serve", "--config", str(path), "--name",
+             pool_name, "--socket", str(sockdir / f"r{i}.sock"), "--quiet"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+        try:
+            lines = []
+            for q in procs:
+                line = q.stdout.readline()
+                lines.append(line)
+            winners = [q for q, line in zip(procs, lines) if line.startswith("ready")]
+            assert len(winners) == 1, lines
+            loser = next(q for q in procs if q is not winners[0])
+            assert loser.wait(10) == 2
+            assert "Traceback" not in loser.stderr.read()
+            assert _check(pool_name).clean
+        finally:
+            for q in procs:
+                if q.poll() is None:
+                    q.terminate()
+                q.wait(10)
+                q.stdout.close()
+                q.stderr.close()
+    assert segment_info(pool_name) is None
+
+
+async def test_tenants_cannot_reset_or_evict_each_others_blocks(coordinator):
+    coord = await coordinator()
+    kw = dict(hash_algorithm=coord.config.hash_algorithm, hash_seed=coord.config.hash_seed)
+    a = await connect(coord.socket_path, tenant="team-a", **kw)
+    b = await connect(coord.socket_path, tenant="team-b", **kw)
+    prompt = tokens(0, 37)
+    await a.add_request("a1", prompt)
+    blocks = await a.allocate_slots("a1", 37)
+    await a.free("a1")
+    free0 = coord.mgr.num_free_blocks
+    with pytest.raises(Forbidden, match="admin"):
+        await b.reset_prefix_cache()
+    with pytest.raises(Forbidden, match="admin"):
+        await b.evict_blocks(blocks[0])
+    with pytest.raises(Forbidden, match="admin"):
+        await b.stats(free_head=8)
+    with pytest.raises(Forbidden):
+        await b.batch([p.GetStats(), p.EvictBlocks(blocks[0])])
+    await b.add_request("b1", prompt)
+    assert (await b.get_computed_blocks("b1"))[1] == 0   # never another tenant's hits
+    await a.add_request("a2", prompt)
+    assert (await a.get_computed_blocks("a2"))[1] == 36  # A's whole cached prefix
+    assert coord.mgr.num_free_blocks == free0
+    admin = await connect(coord.socket_path, admin=True, **kw)
+    assert admin.admin and not a.admin
+    await admin.evict_blocks(blocks[0][:1])
+    assert (await a.get_computed_blocks("a2"))[1] == 0
+    for c in (a, b, admin):
+        await c.close()
+    with pytest.raises(Forbidden, match="admin token"):
+        await connect(coord.socket_path, admin_token="guess", **kw)
+
+
+async def test_restoring_a_request_with_other_tokens_is_refused(pool_name):
+    with CoordinatorProcess(CFG, name=pool_name) as proc:
+        c = await _client(proc)
+        await c.add_request("r", tokens(0, 9))
+        await c.allocate_slots("r", 9)
+        await c.cache_blocks("r", 8)
+        token, fp = c.resume_token, c.hash_fingerprint
+        c.reconnect = None            # this test resumes by hand
+        proc.kill()
+        proc.restart()
+        hello = p.Hello(p.PROTOCOL_VERSION, os.getpid(), fp, resume_token=token)
+        wire, welcome = await open_wire(proc.socket, hello, 5)
+        try:
+            assert welcome.resumed and welcome.requests == ["r"]
+            enc = msgspec.msgpack.Encoder()
+            reply = asyncio.get_running_loop().create_future()
+            wire.on_reply = reply.set_result
+            body = enc.encode(p.AddRequest("r", tokens(50, 59)))
+            wire.transport.write(len(body).to_bytes(4, "little") + body)
+            err = await asyncio.wait_for(reply, 5)
+            assert err.__class__ is p.Error and "other tokens" in err.message
+        finally:
+            wire.transport.close()
+        await c.close()
+        await until(lambda: _check(pool_name).num_requests == 0, timeout=5)
