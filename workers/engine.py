@@ -26,6 +26,7 @@ import numpy as np
 
 from kvshm.core.specs import FullSpec, MLASpec, PoolConfig, SlidingWindowSpec
 from kvshm.service import protocol as p
+from kvshm.service.errors import ReplyLost, ResumeFailed
 from workers.model import TinyModel, attention, mismatching_blocks, paged_attention, write_kv
 from workers.traffic import Item
 
@@ -83,6 +84,12 @@ class EngineStats:
     attention_s: float = 0.0          # decode attention over the arena
     check_s: float = 0.0              # integrity checks (hit blocks, decode recomputes)
     first_error: str = ""
+    # Coordinator restarts this worker rode through (filled in from its client).
+    coordinator_restarts: int = 0
+    requests_resumed: int = 0         # requests taken back after a restart
+    requests_lost: int = 0            # ... and those that could not be (recomputed)
+    recomputed_tokens: int = 0        # computed tokens given up because of restarts
+    stalls_ms: list[int] = field(default_factory=list)   # loss -> resumed, per restart
 
     @property
     def integrity_failures(self) -> int:
@@ -218,7 +225,9 @@ class Engine:
             ops.append(p.AllocateSlots(seq.rid, n, delay_cache_blocks=True))
         admits = self._admissions(ops, budget, [s for s, _ in allocs])
         t0 = time.perf_counter()
-        results = await self.client.batch(ops)
+        results = await self._batch(ops)
+        if results is None:
+            return True
         rtt = time.perf_counter() - t0
         st.batch_us.append(int(rtt * 1e6))
         st.coord_s += rtt
@@ -325,8 +334,10 @@ class Engine:
             retry = list(pending)
             ops += [p.AllocateSlots(s.rid, s.scheduled, delay_cache_blocks=True) for s in retry]
             t0 = time.perf_counter()
-            results = await self.client.batch(ops)
+            results = await self._batch(ops)
             self.stats.coord_s += time.perf_counter() - t0
+            if results is None:
+                return
             pending = []
             for seq, res in zip(retry, results[2:]):
                 self.num_free_blocks = res.num_free_blocks
@@ -343,17 +354,59 @@ class Engine:
         self.stats.aborted += len(live)
         self.running, self.waiting = [], deque()
         if ops:
-            await self.client.batch(ops)
+            await self._batch(ops)
 
     async def _forget(self, seqs: list[Seq]) -> None:
         if seqs:
-            await self.client.batch([p.Free(s.rid) for s in seqs])
+            await self._batch([p.Free(s.rid) for s in seqs])
 
     async def _flush(self) -> None:
         """Send the last step's bookkeeping (caching and frees)."""
         ops = self._bookkeeping()
         if ops:
-            await self.client.batch(ops)
+            await self._batch(ops)
+
+    # -- coordinator restarts ----------------------------------------------------------------------
+    async def _batch(self, ops: list) -> list | None:
+        """`client.batch(ops)`; None when a coordinator restart lost requests
+        (they are requeued by `_requests_lost`).  The client resumes by
+        itself, so an ordinary restart is only a delay here."""
+        try:
+            return await self.client.batch(ops)
+        except (ResumeFailed, ReplyLost) as e:
+            self._requests_lost(e)
+            return None
+
+    def _requests_lost(self, err: Exception) -> None:
+        """Requests the coordinator no longer holds for us (the session could
+        not be resumed, or a reply was lost): start them over."""
+        st = self.stats
+        known = self.client.requests
+        if not st.first_error:
+            st.first_error = f"{type(err).__name__}: {err}"
+        keep = []
+        for seq in self.running:
+            if seq.rid in known:
+                keep.append(seq)
+                continue
+            st.requests_lost += 1
+            st.recomputed_tokens += seq.num_computed
+            seq.num_computed = seq.scheduled = 0
+            seq.tables, seq.ctx, seq.added = [], None, False
+            seq.to_advance, seq.append = False, []
+            self.waiting.appendleft(seq)
+        self.running = keep
+        self.finishing = [s for s in self.finishing if s.rid in known]
+        for seq in self.waiting:
+            if seq.rid not in known:
+                seq.added = False
+
+    def restart_stats(self) -> None:
+        """Copy the client's record of coordinator restarts into the stats."""
+        c, st = self.client, self.stats
+        st.coordinator_restarts = len(c.restarts)
+        st.requests_resumed = c.resumed_requests
+        st.stalls_ms = [int((back - lost) * 1000) for lost, back in c.restarts]
 
     # -- the model -------------------------------------------------------------------------------
     def _compute(self) -> bool:

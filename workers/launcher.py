@@ -52,6 +52,12 @@ class RunResult:
     seconds: float = 0.0
     pools: list[dict] = field(default_factory=list)   # per coordinator, after the run
     interrupted: bool = False
+    restarts: list[dict] = field(default_factory=list)   # the coordinators' restarts
+
+    @property
+    def stalls_ms(self) -> list[int]:
+        """Every worker's stall per coordinator restart (loss -> resumed)."""
+        return sorted(ms for w in self.workers for ms in w.stats.get("stalls_ms", ()))
 
     def total(self, key: str):
         return total(self.workers, key)
@@ -90,6 +96,12 @@ class RunResult:
             "decode_checks": self.total("decode_checks"),
             "decode_mismatches": self.total("decode_mismatches"),
             "step_batch_us_p50": percentile(lat, 50), "step_batch_us_p99": percentile(lat, 99),
+            "coordinator_restarts": len(self.restarts), "restarts": self.restarts,
+            "requests_resumed": self.total("requests_resumed"),
+            "requests_lost": self.total("requests_lost"),
+            "recomputed_tokens": self.total("recomputed_tokens"),
+            "stall_ms_p50": percentile(self.stalls_ms, 50),
+            "stall_ms_max": self.stalls_ms[-1] if self.stalls_ms else None,
             "pools": self.pools,
             "workers": [{"index": w.index, "cpus": list(w.cpus), "affinity": list(w.affinity),
                          "pid": w.pid, "session": w.session,
@@ -125,6 +137,7 @@ class LaunchOptions:
     pin: bool = True
     kill_worker: int | None = None
     kill_after: float = 5.0
+    kill_coordinator_every: float | None = None   # SIGKILL the coordinator every S s
     live: bool = True                     # progress lines while running
 
 
@@ -144,6 +157,8 @@ class Launch:
         self.interrupted = asyncio.Event()
         self.config = opts.config
         self.pool_names: list[str] = []      # the joined pool's segment (--connect)
+        self.restarts: list[dict] = []       # coordinator restarts by this supervisor
+        self._stopping = False
         self._t0 = 0.0
 
     # -- coordinators ------------------------------------------------------------------------------
@@ -167,6 +182,44 @@ class Launch:
         self.sockets = [str(c.socket) for c in self.coordinators]
         if len(self.sockets) == 1:
             self.sockets *= opts.num_workers
+
+    async def supervise(self) -> None:
+        """Restart a coordinator that dies (SIGKILLed by --kill-coordinator-every
+        or otherwise) with the same command line: it adopts its pool, and the
+        workers' clients resume.  Each restart is checked from outside."""
+        from kvshm.core.check import check_segment
+        from kvshm.core.segment import PoolSegment
+        while True:
+            await asyncio.sleep(0.02)
+            for c in self.coordinators:
+                if self._stopping or c.proc.poll() is None:
+                    continue
+                died = time.monotonic()
+                code = c.proc.returncode
+                rec = {"at_s": round(died - self._t0, 3), "exit": _exit_text(code)}
+                try:
+                    c.restart(wait=False)    # from this thread: PDEATHSIG follows it
+                    await asyncio.to_thread(c.wait_ready)
+                    rec["ready_ms"] = int((time.monotonic() - died) * 1000)
+                    if self.opts.pin and self.plan.coordinator_cpus:
+                        pin(self.plan.coordinator_cpus, c.proc.pid)
+                    with PoolSegment.attach(c.name) as seg:
+                        report = check_segment(seg)
+                    rec["check_clean"] = report.clean
+                    rec["problems"] = report.problems[:5]
+                except Exception as e:   # noqa: BLE001 - reported, the run fails
+                    rec["error"] = f"{type(e).__name__}: {e}"
+                    rec["check_clean"] = False
+                self.restarts.append(rec)
+                if "error" in rec:
+                    return
+
+    async def _kill_coordinator_every(self, every: float) -> None:
+        while True:
+            await asyncio.sleep(every)
+            for c in self.coordinators:
+                if c.proc.poll() is None:
+                    c.proc.kill()
 
     def stop_coordinators(self) -> None:
         errors = []
@@ -283,10 +336,21 @@ class Launch:
                        asyncio.ensure_future(self._stop_on_interrupt())]
             if self.opts.kill_worker is not None:
                 extras.append(asyncio.ensure_future(self._kill_later()))
+            killer = None
+            if self.coordinators:
+                extras.append(asyncio.ensure_future(self.supervise()))
+                if self.opts.kill_coordinator_every:
+                    killer = asyncio.ensure_future(
+                        self._kill_coordinator_every(self.opts.kill_coordinator_every))
+                    extras.append(killer)
             await asyncio.gather(*watchers)
+            if killer is not None:   # no more kills; let a restart under way finish
+                killer.cancel()
+            await self._coordinators_up()
             seconds = time.monotonic() - t0
             pools = [] if self.interrupted.is_set() else await self.pool_reports()
         finally:
+            self._stopping = True
             for task in extras:
                 task.cancel()
             for proc in self.procs:
@@ -299,7 +363,14 @@ class Launch:
         if self.opts.live:
             self.out.write("\n" if self.out.isatty() else "")
         return RunResult(self.mode, self.config, self.results, seconds, pools,
-                         self.interrupted.is_set())
+                         self.interrupted.is_set(), self.restarts)
+
+    async def _coordinators_up(self, timeout: float = 30.0) -> None:
+        """Wait (bounded) for the supervisor to bring a killed coordinator back."""
+        deadline = time.monotonic() + timeout
+        while (any(c.proc.poll() is not None for c in self.coordinators)
+               and time.monotonic() < deadline and not self.interrupted.is_set()):
+            await asyncio.sleep(0.05)
 
     async def _learn_pool(self) -> None:
         """With --connect: the pool's config and segment, and whether the

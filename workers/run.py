@@ -69,6 +69,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--kill-worker", type=int, metavar="I",
                     help="fault injection: SIGKILL worker I after --kill-after seconds")
     ap.add_argument("--kill-after", type=float, default=5.0)
+    ap.add_argument("--kill-coordinator-every", type=float, metavar="S",
+                    help="fault injection: SIGKILL the coordinator every S seconds; "
+                         "kvshm run restarts it (it adopts its pool) and the workers resume")
     ap.add_argument("--hash-algorithm", default="sha256", help="with --connect")
     ap.add_argument("--hash-seed", default="kvshm-0", help="with --connect")
     ap.add_argument("--json", metavar="PATH", help="also write the results as JSON")
@@ -90,6 +93,12 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
         raise ValueError("--duration must be positive and --grace not negative")
     if args.kill_worker is not None and not 0 <= args.kill_worker < args.workers:
         raise ValueError(f"--kill-worker must be a worker index in [0, {args.workers})")
+    if args.kill_coordinator_every is not None:
+        if args.kill_coordinator_every <= 0:
+            raise ValueError("--kill-coordinator-every must be positive")
+        if args.connect:
+            raise ValueError("--kill-coordinator-every needs kvshm run's own coordinator "
+                             "(not --connect: supervise that one yourself)")
     for name in ("verify_hits", "check_decode"):
         if not 0.0 <= getattr(args, name) <= 1.0:
             raise ValueError(f"--{name.replace('_', '-')} must be within [0, 1]")
@@ -153,7 +162,8 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
         num_workers=args.workers, duration=args.duration, grace=args.grace, config=config,
         connect=args.connect, hash_algorithm=args.hash_algorithm, hash_seed=args.hash_seed,
         workload=workload, engine=engine, pin=not args.no_pin, kill_worker=args.kill_worker,
-        kill_after=args.kill_after, live=not args.quiet)
+        kill_after=args.kill_after, kill_coordinator_every=args.kill_coordinator_every,
+        live=not args.quiet)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -205,6 +215,14 @@ def _problems(res: RunResult, opts: LaunchOptions) -> list[str]:
     out += [f"{res.mode}: worker {w.index} {w.status}" for w in res.workers
             if w.status not in expected]
     out += [f"{res.mode}: pool check failed" for p in res.pools if not p["check_clean"]]
+    for r in res.restarts:
+        if "error" in r:
+            out.append(f"{res.mode}: the coordinator could not be restarted: {r['error']}")
+        elif not r.get("check_clean"):
+            out.append(f"{res.mode}: pool check failed after a restart")
+    if res.total("requests_lost"):
+        out.append(f"{res.mode}: {res.total('requests_lost')} request(s) could not be "
+                   "resumed after a coordinator restart")
     return out
 
 
@@ -258,6 +276,15 @@ def summary(res: RunResult) -> str:
            f"  integrity         {t('hit_blocks_checked'):,} hit blocks checked: "
            f"{t('hit_mismatches')} mismatches; {t('decode_checks'):,} decode attention "
            f"checks: {t('decode_mismatches')} mismatches"]
+    if res.restarts or t("coordinator_restarts"):
+        stalls = res.stalls_ms
+        clean = sum(1 for r in res.restarts if r.get("check_clean"))
+        out.append(
+            f"  restarts          coordinator restarted {len(res.restarts)} time(s) "
+            f"(pool check clean after {clean}); {t('requests_resumed'):,} requests resumed, "
+            f"{t('requests_lost'):,} lost, {t('recomputed_tokens'):,} tokens recomputed; "
+            f"stall per restart p50 {percentile(stalls, 50) or 0:,} ms, max "
+            f"{stalls[-1] if stalls else 0:,} ms (kill -> workers resumed)")
     for pool in res.pools:
         if "error" in pool:
             out.append(f"  pool after run    UNAVAILABLE: {pool['error']}")

@@ -54,7 +54,8 @@ def _progress(stats) -> dict:
             "hit_tokens": stats.hit_tokens, "cross_hit_tokens": stats.cross_hit_tokens,
             "computed_tokens": stats.computed_tokens,
             "generated_tokens": stats.generated_tokens, "preemptions": stats.preemptions,
-            "integrity_failures": stats.integrity_failures}
+            "integrity_failures": stats.integrity_failures,
+            "coordinator_restarts": stats.coordinator_restarts}
 
 
 async def serve_worker(args) -> int:
@@ -78,12 +79,14 @@ async def serve_worker(args) -> int:
         def on_step(st) -> None:
             now = time.monotonic()
             if now - last[0] >= args.progress:
+                engine.restart_stats()
                 last[0] = now
                 _emit("progress", index=args.index, elapsed=now - t0, **_progress(st))
 
         await engine.run(items, t0 + args.duration, on_step,
                          hard_deadline=t0 + args.duration + args.grace)
         seconds = time.monotonic() - t0
+        engine.restart_stats()
         del engine   # drop the arena views before unmapping
         report = asdict(stats)
         report.update(integrity_failures=stats.integrity_failures, seconds=seconds)

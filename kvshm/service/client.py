@@ -131,6 +131,7 @@ class Client:
         self.requests = RequestMirror()
         self.restarts: list[tuple[float, float]] = []   # (lost at, resumed at), monotonic
         self.replies_lost = 0
+        self.resumed_requests = 0        # requests restored after restarts
         self._welcome(welcome)
         self._attach(wire)
 
@@ -285,6 +286,7 @@ class Client:
                 return
             self._settle_in_flight(welcome)
             self._seq = welcome.last_seq
+            self.resumed_requests += len(self.requests)
             for frame in self.requests.restore_frames(welcome.requests):
                 await self._send_now(frame)
             for call in self._pending:    # not applied: send again, in order
