@@ -212,14 +212,16 @@ def test_connect_to_a_pool_workers_cannot_use_is_refused():
     assert not leftovers(before)
 
 
-def test_a_coordinator_that_dies_mid_run_is_reported(tmp_path):
+def test_a_coordinator_that_dies_mid_run_and_stays_dead_is_reported(tmp_path):
+    """Nobody restarts it: the workers give up after --reconnect-timeout."""
     from kvshm.arena import arena_name
     from kvshm.core.segment import remove_segment
     before = kvshm_segments()
     out = tmp_path / "out.json"
     with CoordinatorProcess(preset_config("tiny", num_blocks=2048)) as coord:
         proc = subprocess.Popen([*RUN, "--connect", str(coord.socket), "--duration", "20",
-                                 "--grace", "1", "--quiet", "--json", str(out)],
+                                 "--grace", "1", "--reconnect-timeout", "2", "--quiet",
+                                 "--json", str(out)],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         time.sleep(3)
         coord.proc.kill()                       # the coordinator crashes
@@ -371,3 +373,43 @@ def test_a_bfloat16_pool_without_ml_dtypes_is_refused_up_front(tmp_path):
     assert "bfloat16 KV arena needs the ml_dtypes package" in proc.stderr
     assert "== shared pool" not in proc.stdout
     assert not leftovers(before)
+
+
+# -- coordinator restarts ---------------------------------------------------------------------------
+def test_workers_ride_through_coordinator_kills(tmp_path):
+    """--kill-coordinator-every: kvshm run restarts its coordinator, which
+    adopts the pool; the workers resume, nothing is recomputed, OK."""
+    before = kvshm_segments()
+    out = tmp_path / "out.json"
+    proc = subprocess.run([*RUN, "--workers", "2", "--duration", "6",
+                           "--kill-coordinator-every", "1.5", "--quiet", "--json", str(out)],
+                          capture_output=True, text=True, timeout=TIMEOUT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    [res] = results(out)
+    assert res["coordinator_restarts"] >= 3
+    assert all(r["check_clean"] for r in res["restarts"])
+    assert res["requests_resumed"] > 0 and res["requests_lost"] == 0
+    assert res["hit_mismatches"] == 0 and res["decode_mismatches"] == 0
+    assert res["stall_ms_max"] is not None
+    assert "restarts          coordinator restarted" in proc.stdout
+    assert not leftovers(before)
+
+
+def test_connected_workers_ride_through_an_external_restart(tmp_path):
+    """`kvshm serve` SIGKILLed and started again with the same command line
+    while `kvshm run --connect` workers run: they finish, 0 mismatches."""
+    out = tmp_path / "out.json"
+    with CoordinatorProcess(preset_config("tiny", num_blocks=2048)) as coord:
+        proc = subprocess.Popen([*RUN, "--connect", str(coord.socket), "--duration", "6",
+                                 "--workers", "2", "--quiet", "--json", str(out)],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for _ in range(2):
+            time.sleep(2)
+            coord.kill()
+            coord.restart()
+        stdout, stderr = proc.communicate(timeout=TIMEOUT)
+    assert proc.returncode == 0, stdout + stderr
+    [res] = results(out)
+    assert res["hit_mismatches"] == 0 and res["requests_lost"] == 0
+    assert all(w["coordinator_restarts"] == 2 for w in res["workers"])
+    assert "the coordinator restarted 2 time(s)" in stdout

@@ -138,6 +138,7 @@ class LaunchOptions:
     kill_worker: int | None = None
     kill_after: float = 5.0
     kill_coordinator_every: float | None = None   # SIGKILL the coordinator every S s
+    reconnect_timeout: float = 60.0       # workers wait this long for a restarted one
     live: bool = True                     # progress lines while running
 
 
@@ -276,7 +277,8 @@ class Launch:
                 "--index", str(i), "--num-workers", str(opts.num_workers),
                 "--node", str(node.id), "--workload", json.dumps(opts.workload),
                 "--options", json.dumps(opts.engine), "--hash", json.dumps(self._hash()),
-                "--duration", str(opts.duration), "--grace", str(opts.grace)]
+                "--duration", str(opts.duration), "--grace", str(opts.grace),
+                "--reconnect-timeout", str(opts.reconnect_timeout)]
         if opts.pin:
             args += ["--cpus", format_cpulist(node.cpus)]
         return await asyncio.create_subprocess_exec(

@@ -72,6 +72,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--kill-coordinator-every", type=float, metavar="S",
                     help="fault injection: SIGKILL the coordinator every S seconds; "
                          "kvshm run restarts it (it adopts its pool) and the workers resume")
+    ap.add_argument("--reconnect-timeout", type=float, default=60.0, metavar="S",
+                    help="how long workers wait for a coordinator that went away to come "
+                         "back (restarted by kvshm run or your supervisor) (60)")
     ap.add_argument("--hash-algorithm", default="sha256", help="with --connect")
     ap.add_argument("--hash-seed", default="kvshm-0", help="with --connect")
     ap.add_argument("--json", metavar="PATH", help="also write the results as JSON")
@@ -93,6 +96,8 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
         raise ValueError("--duration must be positive and --grace not negative")
     if args.kill_worker is not None and not 0 <= args.kill_worker < args.workers:
         raise ValueError(f"--kill-worker must be a worker index in [0, {args.workers})")
+    if args.reconnect_timeout <= 0:
+        raise ValueError("--reconnect-timeout must be positive")
     if args.kill_coordinator_every is not None:
         if args.kill_coordinator_every <= 0:
             raise ValueError("--kill-coordinator-every must be positive")
@@ -163,6 +168,7 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
         connect=args.connect, hash_algorithm=args.hash_algorithm, hash_seed=args.hash_seed,
         workload=workload, engine=engine, pin=not args.no_pin, kill_worker=args.kill_worker,
         kill_after=args.kill_after, kill_coordinator_every=args.kill_coordinator_every,
+        reconnect_timeout=args.reconnect_timeout,
         live=not args.quiet)
 
 
@@ -276,12 +282,15 @@ def summary(res: RunResult) -> str:
            f"  integrity         {t('hit_blocks_checked'):,} hit blocks checked: "
            f"{t('hit_mismatches')} mismatches; {t('decode_checks'):,} decode attention "
            f"checks: {t('decode_mismatches')} mismatches"]
-    if res.restarts or t("coordinator_restarts"):
+    seen = max((w.stats.get("coordinator_restarts", 0) for w in res.workers), default=0)
+    if res.restarts or seen:
         stalls = res.stalls_ms
         clean = sum(1 for r in res.restarts if r.get("check_clean"))
+        who = (f"coordinator restarted {len(res.restarts)} time(s) by kvshm run (pool check "
+               f"clean after {clean})" if res.restarts else
+               f"the coordinator restarted {seen} time(s) (by its own supervisor)")
         out.append(
-            f"  restarts          coordinator restarted {len(res.restarts)} time(s) "
-            f"(pool check clean after {clean}); {t('requests_resumed'):,} requests resumed, "
+            f"  restarts          {who}; {t('requests_resumed'):,} requests resumed, "
             f"{t('requests_lost'):,} lost, {t('recomputed_tokens'):,} tokens recomputed; "
             f"stall per restart p50 {percentile(stalls, 50) or 0:,} ms, max "
             f"{stalls[-1] if stalls else 0:,} ms (kill -> workers resumed)")

@@ -60,10 +60,12 @@ def _progress(stats) -> dict:
 
 async def serve_worker(args) -> int:
     from kvshm.service.client import connect
+    from kvshm.service.resume import Reconnect
     from workers.engine import Engine, EngineOptions, EngineStats
 
     cfg_hash = json.loads(args.hash) if args.hash else {}
-    client = await connect(args.socket, node=args.node, **cfg_hash)
+    client = await connect(args.socket, node=args.node, **cfg_hash,
+                           reconnect=Reconnect(timeout=args.reconnect_timeout))
     arena = None
     try:
         arena = client.attach_arena()
@@ -117,6 +119,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="seconds after --duration for running requests to finish "
                          "before they are aborted")
     ap.add_argument("--progress", type=float, default=0.5, help="seconds between reports")
+    ap.add_argument("--reconnect-timeout", type=float, default=60.0,
+                    help="how long to wait for a restarted coordinator before giving up")
     args = ap.parse_args(argv)
     # Ctrl-C goes to the whole process group; the launcher decides what stops.
     signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -202,8 +202,11 @@ class Coordinator:
             self._grace = asyncio.get_running_loop().call_later(self.resume_grace,
                                                                 self.expire_unresumed)
         if self.admin_token is None:
-            self.admin_token = secrets.token_urlsafe(32)
             self._admin_file = admin_token_path(path)
+            # A coordinator taking over keeps its predecessor's token, so
+            # admin sessions resume too.
+            kept = _read_token(self._admin_file) if self.adoption is not None else ""
+            self.admin_token = kept or secrets.token_urlsafe(32)
             write_private_file(self._admin_file, self.admin_token)
 
     async def stop(self) -> None:
@@ -342,6 +345,13 @@ def default_socket_path(name: str) -> Path:
 def admin_token_path(socket_path: str | Path) -> Path:
     """Where a coordinator on `socket_path` writes its generated admin token."""
     return Path(f"{socket_path}.admin-token")
+
+
+def _read_token(path: Path) -> str:
+    try:
+        return path.read_text().strip()
+    except OSError:
+        return ""
 
 
 def write_private_file(path: Path, text: str) -> None:
