@@ -336,6 +336,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=64, help="ops per batch (64)")
     p.set_defaults(fn=cmd_replay)
 
+    from kvshm.service.sessions import DEFAULT_RESUME_GRACE
     p = sub.add_parser("serve", help="run the coordinator in the foreground")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--config", help="pool config file (.toml or .json)")
@@ -354,9 +355,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fresh", action="store_true",
                    help="discard a dead coordinator's pool and KV arena instead of adopting "
                    "them")
-    p.add_argument("--resume-grace", type=float, default=30.0, metavar="S",
+    p.add_argument("--resume-grace", type=float, default=DEFAULT_RESUME_GRACE, metavar="S",
                    help="after adopting a pool, how long its sessions may take to resume "
-                   "before their requests are freed (30)")
+                   "before their requests are freed (%(default)s)")
     p.add_argument("--allow-other-uids", action="store_true",
                    help="accept clients of other users (default: same uid only)")
     p.add_argument("--quiet", action="store_true", help="print only the ready line")

@@ -29,11 +29,11 @@ FREE_HEAD_LEN = 64
 
 def expand_paths(paths: Iterable[str | Path]) -> Iterator[Path]:
     """Files as given; directories searched for *.jsonl.gz and *.jsonl."""
-    for p in map(Path, paths):
-        if p.is_dir():
-            yield from sorted([*p.rglob("*.jsonl.gz"), *p.rglob("*.jsonl")])
+    for path in map(Path, paths):
+        if path.is_dir():
+            yield from sorted([*path.rglob("*.jsonl.gz"), *path.rglob("*.jsonl")])
         else:
-            yield p
+            yield path
 
 
 def load_trace(path: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:

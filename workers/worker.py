@@ -10,7 +10,6 @@ launcher (`workers/launcher.py`) starts it as `python -m workers.worker`.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import itertools
 import json
 import os
@@ -81,7 +80,7 @@ async def serve_worker(args) -> int:
         def on_step(st) -> None:
             now = time.monotonic()
             if now - last[0] >= args.progress:
-                engine.restart_stats()
+                st.coordinator_restarts = len(client.restarts)
                 last[0] = now
                 _emit("progress", index=args.index, elapsed=now - t0, **_progress(st))
 

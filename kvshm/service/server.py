@@ -25,7 +25,6 @@ import msgspec
 
 from kvshm.core.errors import InvalidArgument
 from kvshm.core.hashing import hash_fingerprint
-from kvshm.core.manager import KVCacheManager
 from kvshm.core.specs import PoolConfig
 from kvshm.service import protocol as p
 from kvshm.service.errors import (
@@ -39,10 +38,10 @@ from kvshm.service.errors import (
 )
 from kvshm.service.adoption import adopt_pool, create_pool
 from kvshm.service.ops import OpExecutor, Owner
+from kvshm.service.sessions import DEFAULT_RESUME_GRACE
 
 log = logging.getLogger("kvshm.coordinator")
 
-DEFAULT_RESUME_GRACE = 30.0
 
 
 class Session(asyncio.Protocol):

@@ -35,6 +35,9 @@ from kvshm.core.segment import (
 )
 
 FLAG_ADMIN = 1
+# Seconds a restarted coordinator keeps the requests of sessions that have
+# not resumed yet (`kvshm serve --resume-grace`).
+DEFAULT_RESUME_GRACE = 30.0
 _ID, _PID, _FLAGS, _NODE, _TOKEN, _TENANT, _REPLY = 0, 2, 3, 4, 5, 9, 11
 
 
