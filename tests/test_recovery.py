@@ -112,6 +112,12 @@ async def test_a_session_that_does_not_come_back_is_freed_after_the_grace_period
             assert report.clean and report.num_cached_blocks == 2   # the cache stays
         finally:
             seg.close()
+        # Its token is no good any more: a fresh session, and it says why.
+        hello = p.Hello(p.PROTOCOL_VERSION, os.getpid(), gone.hash_fingerprint,
+                        resume_token=gone.resume_token)
+        wire, welcome = await open_wire(proc.socket, hello, 5)
+        wire.transport.close()
+        assert not welcome.resumed and "grace period is over" in welcome.resume_error
         c = await _client(proc)
         await c.add_request("x", tokens(0, 9))
         assert (await c.get_computed_blocks("x"))[1] == 8

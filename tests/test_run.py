@@ -395,6 +395,16 @@ def test_workers_ride_through_coordinator_kills(tmp_path):
     assert not leftovers(before)
 
 
+def _wait_for_work(pool: str, timeout: float = 60.0) -> None:
+    from kvshm.core.segment import PoolSegment
+    deadline = time.monotonic() + timeout
+    with PoolSegment.attach(pool) as seg:
+        while seg.get("num_requests") < 2:
+            assert time.monotonic() < deadline, "the workers never started"
+            time.sleep(0.05)
+    time.sleep(0.5)
+
+
 def test_connected_workers_ride_through_an_external_restart(tmp_path):
     """`kvshm serve` SIGKILLed and started again with the same command line
     while `kvshm run --connect` workers run: they finish, 0 mismatches."""
@@ -404,7 +414,7 @@ def test_connected_workers_ride_through_an_external_restart(tmp_path):
                                  "--workers", "2", "--quiet", "--json", str(out)],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         for _ in range(2):
-            time.sleep(2)
+            _wait_for_work(coord.name)     # both workers connected and running
             coord.kill()
             coord.restart()
         stdout, stderr = proc.communicate(timeout=TIMEOUT)
