@@ -156,12 +156,16 @@ class Engine:
                   hard_deadline: float | None = None) -> EngineStats:
         """Serve `items` (an iterator of `Item`) until exhausted or `deadline`
         (time.monotonic()): then admit nothing new and let running requests
-        finish, until `hard_deadline`, where the rest are aborted (freed).
+        finish, until `hard_deadline` (pushed back by the time coordinator
+        restarts took), where the rest are aborted (freed).
         `on_step(stats)` after every step."""
         source = iter(items)
         exhausted = False
         while True:
-            if hard_deadline is not None and time.monotonic() >= hard_deadline:
+            # Time the coordinator was away (restarting) does not count
+            # against the running requests' grace.
+            if (hard_deadline is not None
+                    and time.monotonic() >= hard_deadline + self._time_away()):
                 await self._abort_all()
                 break
             past = time.monotonic() >= deadline
@@ -400,6 +404,9 @@ class Engine:
         for seq in self.waiting:
             if seq.rid not in known:
                 seq.added = False
+
+    def _time_away(self) -> float:
+        return sum(back - lost for lost, back in self.client.restarts)
 
     def restart_stats(self) -> None:
         """Copy the client's record of coordinator restarts into the stats."""
