@@ -17,8 +17,8 @@ or counter), so one frame never needs more than `frame_bound()` words.
 
 Entries (int64 words):
 
-    FRAME    kind                                      opens every frame, so
-                                                       undo_len > 0 <=> a frame is open
+    FRAME    kind                                      first of every frame that
+                                                       journals anything (undo_len > 0)
     ROW      kind, slot, group, count, num_cached      a row's counts
     PREFIX   kind, slot, group, n, id_0 ... id_n-1     a row's first n ids
     META     kind, slot, meta[4], rid bytes as 8 words a slot's metadata
@@ -69,6 +69,7 @@ class Journal:
         self._widths = seg.layout.widths
         self.n = 0
         self.open = False
+        self._stamp = 0
         self._rows: dict[int, int] = {}   # row key -> its count at the frame's start
         self._saved: set[int] = set()     # rows whose original ids are saved
         self._slots: set[int] = set()     # slots whose metadata is saved
@@ -76,27 +77,32 @@ class Journal:
 
     # -- frames --------------------------------------------------------------
     def begin(self, next_cache_stamp: int) -> None:
-        """Open a frame; blocks cached from now on get stamps >= `next_cache_stamp`."""
+        """Open a frame; blocks cached from now on get stamps >= `next_cache_stamp`.
+        Nothing is written until the frame journals its first entry (a frame
+        that journals nothing changes nothing repair would need to undo)."""
         self.open = True
-        self.n = 0
-        self._rows.clear()
-        self._saved.clear()
-        self._slots.clear()
+        if self._rows:
+            self._rows.clear()
+            self._saved.clear()
+        if self._slots:
+            self._slots.clear()
         self._stats = False
-        w = self._words
-        w[self._stamp_word] = next_cache_stamp
-        self._log[0] = FRAME
-        w[self._len_word] = self.n = 1
+        self._stamp = next_cache_stamp
 
     def commit(self) -> None:
         """Close the frame: from here on its effects stand (the one store
         that commits it)."""
-        self._words[self._len_word] = 0
+        if self.n:
+            self._words[self._len_word] = 0
+            self.n = 0
         self.open = False
-        self.n = 0
 
     def _append(self, entry) -> None:
         n = self.n
+        if not n:   # the frame's first entry: mark the frame open in the segment
+            self._words[self._stamp_word] = self._stamp
+            self._log[0] = FRAME
+            n = 1
         m = n + len(entry)
         assert m <= len(self._log), "frame_bound() sizes the log for any frame"
         self._log[n:m] = entry

@@ -217,13 +217,18 @@ class KVCacheManager:
             self._check_hashes(request)
 
         groups = self.groups
-        self._begin()
+        pool = self.block_pool
+        # The hot path opens its frame inline (see _begin / _end).
+        self._words[SEQ_WORD] |= 1
+        own_frame = not self._frame
+        if own_frame:
+            self.journal.begin(pool.next_cache_stamp)
         try:
             groups.remove_skipped_blocks(rid, total_computed)
             need = groups.get_num_blocks_to_allocate(
                 rid, num_need_slot, hits, num_encoder_tokens,
                 num_local + num_external_computed_tokens)
-            if need > self.block_pool.num_free_blocks:
+            if need > pool.num_free_blocks:
                 return None
             if adopts:
                 groups.allocate_new_computed_blocks(rid, hits, num_local,
@@ -234,7 +239,9 @@ class KVCacheManager:
                 groups.cache_blocks(request, n if n < num_tokens else num_tokens)
             return new_blocks
         finally:
-            self._end()
+            pool.publish()
+            if own_frame:
+                self.journal.commit()
 
     def _check_hits(self, request: Request, hits: BlockIds) -> None:
         """Hits must be what get_computed_blocks returns for this request now:

@@ -77,12 +77,13 @@ class ReqState:
     a request adopted after a restart, until its owner restores it), owner
     and last hits."""
 
-    __slots__ = ("request", "owner", "hits")
+    __slots__ = ("request", "owner", "hits", "claimed")
 
-    def __init__(self, request: Request, owner: Owner) -> None:
+    def __init__(self, request: Request | None, owner: Owner) -> None:
         self.request = request
         self.owner = owner
         self.hits = None
+        self.claimed = False   # its table slot records its owner
 
 
 class OpExecutor:
@@ -298,9 +299,13 @@ class OpExecutor:
                                   "first")
         return st
 
-    def _claim(self, owner: Owner, rid: str) -> None:
-        """Record `owner` in the request's table slot, if it has one."""
-        self.mgr.table.set_owner(rid, owner.id)
+    def _claim(self, st: ReqState, rid: str) -> None:
+        """Record the request's owner in its table slot, once it has one
+        (until a free releases the slot)."""
+        if not st.claimed:
+            table = self.mgr.table
+            table.set_owner(rid, st.owner.id)
+            st.claimed = rid in table.slot_of
 
     # -- operations ----------------------------------------------------------------------
     def _add(self, owner: Owner, op: p.AddRequest):
@@ -385,7 +390,7 @@ class OpExecutor:
             st.request, op.num_new_tokens, op.num_new_computed_tokens,
             st.hits if op.use_computed_blocks else None, op.num_lookahead_tokens,
             op.num_external_computed_tokens, op.delay_cache_blocks, op.num_encoder_tokens)
-        self._claim(owner, op.req)
+        self._claim(st, op.req)
         # res is a tuple of fresh lists: msgspec encodes it as is.
         return p.Allocated(res, mgr.block_pool.num_free_blocks)
 
@@ -405,13 +410,13 @@ class OpExecutor:
         n = min(op.max_new_tokens, req.num_tokens - num_hit)
         new = mgr.allocate_slots(req, n, num_hit, hits, op.num_lookahead_tokens, 0,
                                  op.delay_cache_blocks)
-        self._claim(owner, op.req)
+        self._claim(st, op.req)
         return p.Admitted(hits, num_hit, n, new, mgr.block_pool.num_free_blocks)
 
     def _cache(self, owner: Owner, op: p.CacheBlocks):
         st = self._owned(owner, op.req)
         self.mgr.cache_blocks(st.request, op.num_computed_tokens)
-        self._claim(owner, op.req)
+        self._claim(st, op.req)
         return p.Done()
 
     def _free(self, owner: Owner, op: p.Free):
@@ -420,6 +425,7 @@ class OpExecutor:
             st = self._owned(owner, op.req)   # a placeholder may be freed as it is
         mgr = self.mgr
         mgr.free(op.req)
+        st.claimed = False   # the slot is released
         if op.preempted and st.request is not None:
             st.request.num_preemptions += 1
         else:  # finished or aborted (or a placeholder): the request is gone
@@ -428,11 +434,11 @@ class OpExecutor:
         return p.FreeBlocks(mgr.block_pool.num_free_blocks)
 
     def _skip(self, owner: Owner, op: p.RemoveSkippedBlocks):
-        self._owned(owner, op.req)
+        st = self._owned(owner, op.req)
         check_count("total_computed_tokens", op.total_computed_tokens, MAX_COUNT)
         mgr = self.mgr
         mgr.remove_skipped_blocks(op.req, op.total_computed_tokens)
-        self._claim(owner, op.req)
+        self._claim(st, op.req)
         return p.FreeBlocks(mgr.block_pool.num_free_blocks)
 
     def _ids(self, owner: Owner, op: p.GetBlockIds):
@@ -440,9 +446,9 @@ class OpExecutor:
         return p.BlockIds(list(self.mgr.get_block_ids(op.req)))
 
     def _common(self, owner: Owner, op: p.NumCommonPrefixBlocks):
-        self._owned(owner, op.req)
+        st = self._owned(owner, op.req)
         counts = self.mgr.get_num_common_prefix_blocks(op.req)
-        self._claim(owner, op.req)
+        self._claim(st, op.req)
         return p.CommonPrefix(counts)
 
     def _reset(self, owner: Owner, op: p.ResetPrefixCache):
