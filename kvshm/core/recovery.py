@@ -18,7 +18,19 @@ from array import array
 from dataclasses import dataclass, field
 
 from kvshm.core.errors import SegmentError
-from kvshm.core.journal import FRAME, META, PREFIX, ROW, SESSION, STATS
+from kvshm.core.journal import (
+    FRAME,
+    META,
+    META_WORDS,
+    PREFIX,
+    PREFIX_HEAD,
+    ROW,
+    ROW_WORDS,
+    SESSION,
+    SESSION_ENTRY_WORDS,
+    STATS,
+    STATS_WORDS,
+)
 from kvshm.core.segment import (
     FLAG_CACHED,
     FLAG_NULL,
@@ -97,19 +109,19 @@ def _entry_size(seg: PoolSegment, log, off: int, end: int) -> int:
     if kind == FRAME:
         return 1
     if kind == ROW:
-        return 5
+        return ROW_WORDS
     if kind == PREFIX:
         n = log[off + 3] if off + 3 < end else -1
         if n < 0:
             raise SegmentError(f"segment {seg.name!r}: undo log entry at word {off} is cut "
                                "short or holds a negative id count")
-        return 4 + n
+        return PREFIX_HEAD + n
     if kind == META:
-        return 2 + SLOT_META_FIELDS + RID_BYTES // 8
+        return META_WORDS
     if kind == STATS:
-        return 5
+        return STATS_WORDS
     if kind == SESSION:
-        return 3
+        return SESSION_ENTRY_WORDS
     raise SegmentError(f"segment {seg.name!r}: undo log entry of unknown kind {kind} "
                        f"at word {off}")
 

@@ -102,10 +102,9 @@ class OpExecutor:
         self.requests: dict[str, ReqState] = {}
         self.owners: dict[int, Owner] = {}
         self.sessions = SessionTable(mgr.segment) if resumable else None
-        # Sessions of the previous coordinator that may still resume, by id.
-        self.unresumed: dict[int, SessionRecord] = {}
-        self._held: dict[int, list[str]] = {}    # their requests
-        self.resumed_requests = 0
+        # Sessions of the previous coordinator that may still resume, by id:
+        # their record and the ids of the requests they hold.
+        self.unresumed: dict[int, tuple[SessionRecord, list[str]]] = {}
         self._base_hasher = mgr.make_hasher()
         self._hashers: dict[str, object] = {}
         self._dispatch = {
@@ -171,14 +170,14 @@ class OpExecutor:
                     mgr.free(rid)
                 orphaned += len(rids)
         mgr.commit_frame()
-        self.unresumed = records
-        self._held = {sid: rids for sid, rids in held.items() if sid in records}
-        return {"sessions": len(records), "requests": sum(map(len, self._held.values())),
+        self.unresumed = {sid: (rec, held.get(sid, [])) for sid, rec in records.items()}
+        return {"sessions": len(records),
+                "requests": sum(len(rids) for _, rids in self.unresumed.values()),
                 "freed_without_session": orphaned}
 
     def max_session_id(self) -> int:
         """The largest session id the segment knows (new ids go above it)."""
-        ids = [r.session_id for r in self.unresumed.values()]
+        ids = list(self.unresumed)
         table = self.mgr.table
         ids += [table.owner(slot) for slot in table.slot_of.values()]
         return max(ids, default=0)
@@ -191,7 +190,7 @@ class OpExecutor:
         sessions = self.sessions
         if sessions is None:
             raise ResumeFailed("this pool does not keep resumable sessions")
-        for sid, rec in self.unresumed.items():
+        for sid, (rec, rids) in self.unresumed.items():
             if sessions.token_matches(rec, token):
                 break
         else:
@@ -208,12 +207,10 @@ class OpExecutor:
         owner.record = rec.slot
         owner.seq = rec.last_seq
         owner.resume_token = token
-        rids = self._held.pop(sid, [])
         for rid in rids:
             self.requests[rid] = ReqState(None, owner)
             owner.requests.add(rid)
         self.owners[sid] = owner
-        self.resumed_requests += len(rids)
         return owner, rids
 
     def expire_unresumed(self) -> int:
@@ -223,10 +220,10 @@ class OpExecutor:
         mgr = self.mgr
         freed = 0
         mgr.begin_frame()
-        for sid, rec in self.unresumed.items():
-            for rid in self._held.pop(sid, []):
+        for rec, rids in self.unresumed.values():
+            for rid in rids:
                 mgr.free(rid)
-                freed += 1
+            freed += len(rids)
             self.sessions.release(rec.slot)
         mgr.commit_frame()
         self.unresumed = {}
