@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
 from kvshm import BlockHasher, InvalidArgument, Request, hash_fingerprint
 from kvshm.core.errors import ConfigError
+from kvshm.core.hashing import cbor_canonical, vllm_none_hash
 
 
 def hashes(tokens, **kw):
@@ -63,3 +67,57 @@ def test_unknown_algorithm_and_bad_block_size():
         BlockHasher("md5", "s", 4)
     with pytest.raises(InvalidArgument):
         BlockHasher("sha256", "s", 0)
+
+
+# -- vLLM's own algorithms ------------------------------------------------------
+# tests/data/vllm_block_hashes.json was recorded from vLLM 0.14.0's
+# `hash_block_tokens` and `init_none_hash` (PYTHONHASHSEED = the seed), run
+# through ../shared/oracle, over token ids that hit every integer width.
+VLLM_VECTORS = json.loads((Path(__file__).parent / "data" / "vllm_block_hashes.json").read_text())
+
+
+@pytest.mark.parametrize("case", VLLM_VECTORS["cases"],
+                         ids=lambda c: f"{c['algorithm']}-{c['seed']}-{c['block_size']}")
+def test_vllm_algorithms_reproduce_vllm_hashes_byte_for_byte(case):
+    h = BlockHasher(case["algorithm"], case["seed"], case["block_size"])
+    assert h.none_hash.hex() == case["none_hash"]
+    r = Request("r", case["token_ids"], h, lora_name=case["lora_name"],
+                cache_salt=case["cache_salt"])
+    assert [b.hex() for b in r.block_hashes] == case["block_hashes"]
+
+
+def test_vllm_hashes_extend_incrementally_and_validate_tokens():
+    h = BlockHasher("vllm-sha256-cbor", "0", 4)
+    whole = Request("a", list(range(12)), h).block_hashes
+    r = Request("b", list(range(5)), h)
+    r.append_token_ids(range(5, 12))
+    assert r.block_hashes == whole
+    for bad in ([-1, 0, 0, 0], [0, 0, 0, 2**32], [0, "x", 0, 0]):
+        with pytest.raises(InvalidArgument, match="token ids"):
+            h.hash_blocks(bad, 0, None)
+        with pytest.raises(InvalidArgument, match="token ids"):
+            BlockHasher("vllm-sha256", "0", 4).hash_blocks(bad, 0, None)
+
+
+def test_canonical_cbor_matches_the_rfc_examples():
+    # RFC 8949 appendix A.
+    assert cbor_canonical(0) == bytes.fromhex("00")
+    assert cbor_canonical(23) == bytes.fromhex("17")
+    assert cbor_canonical(24) == bytes.fromhex("1818")
+    assert cbor_canonical(1000) == bytes.fromhex("1903e8")
+    assert cbor_canonical(1000000) == bytes.fromhex("1a000f4240")
+    assert cbor_canonical(1000000000000) == bytes.fromhex("1b000000e8d4a51000")
+    assert cbor_canonical(-1000) == bytes.fromhex("3903e7")
+    assert cbor_canonical("IETF") == bytes.fromhex("6449455446")
+    assert cbor_canonical(b"\x01\x02\x03\x04") == bytes.fromhex("4401020304")
+    assert cbor_canonical((1, [2, 3], None)) == bytes.fromhex("8301820203f6")
+    with pytest.raises(InvalidArgument, match="float"):
+        cbor_canonical(1.5)
+    with pytest.raises(InvalidArgument, match="too large"):
+        cbor_canonical(2**64)
+
+
+def test_vllm_none_hash_is_only_for_vllm_algorithms():
+    assert vllm_none_hash("vllm-sha256", "0") == BlockHasher("vllm-sha256", "0", 16).none_hash
+    with pytest.raises(ConfigError, match="not one of vLLM"):
+        vllm_none_hash("sha256", "0")

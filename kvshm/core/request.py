@@ -10,7 +10,7 @@ from array import array
 from collections.abc import Iterable
 
 from kvshm.core.errors import InvalidArgument
-from kvshm.core.hashing import BlockHasher, encode_extra_keys
+from kvshm.core.hashing import BlockHasher
 
 
 def _checked_tokens(token_ids: Iterable[int]) -> list[int]:
@@ -89,7 +89,8 @@ class Request:
         self.skip_reading_prefix_cache = skip_read
         self.num_preemptions = 0
         self._hasher = hasher
-        self._extra_every, self._extra_first = encode_extra_keys(lora_name, cache_salt)
+        self._extra_every, self._extra_first = (
+            hasher.extra_keys(lora_name, cache_salt) if hasher is not None else (None, None))
         self.block_hashes: list[bytes] = []
         self._parent: bytes | None = None  # hash of the last full block (chain parent)
 

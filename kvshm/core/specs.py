@@ -15,6 +15,7 @@ from typing import Any, Union
 import msgspec
 
 from kvshm.core.errors import ConfigError
+from kvshm.core.hashing import HASH_ALGORITHMS
 
 
 class FullSpec(msgspec.Struct, frozen=True, tag="full", tag_field="type"):
@@ -84,7 +85,6 @@ GroupSpec = Union[
 # FullAttentionSpec and its subclasses).
 FULL_ATTENTION_TYPES = (FullSpec, MLASpec, SinkFullSpec)
 
-HASH_ALGORITHMS = ("sha256", "xxh3_128")
 
 # Block ids, table entries and free-queue links are int32 in shared memory;
 # the free queue's sentinel is id num_blocks.
