@@ -116,3 +116,10 @@ class ShmSpaceError(KvshmError):
         )
         self.needed = needed
         self.available = available
+
+
+class PoolRefused(KvshmError):
+    """An inference engine and the pool it was pointed at do not fit (shape,
+    hashing, size): the message names each difference and the fix."""
+
+    code = "POOL_REFUSED"

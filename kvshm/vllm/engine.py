@@ -1,0 +1,156 @@
+"""An offline vLLM engine on a token workload, reporting what kvshm users
+check: the tokens each request generated, its prefix-cache hit tokens, its
+time to first token, and the engine's prefix-cache counters.
+
+    python -m kvshm.vllm.engine MODEL_DIR WORKLOAD.json [--out OUT.json] ...
+
+WORKLOAD.json: {"phases": [[{"id": "a", "prompt_ids": [...], "max_tokens": 8},
+...], ...]}; each phase is one `generate()` call, phases run in order
+(`--pause-file F`: before each phase after the first, wait until F exists).
+The engine runs in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0) with greedy
+sampling; with KVSHM_POOL set the kvshm plugin gives it its KV-cache
+manager.  Weights are vLLM's dummy ones re-drawn from `--weight-seed` at a
+scale that makes greedy output depend on the whole context, so a wrong K/V
+block changes what is generated.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+
+def shared_prefix_workload(seed: int = 3, num_requests: int = 14, *, vocab: int = 1000,
+                           prefix_lens: tuple[int, ...] = (150, 90),
+                           phases: int = 2) -> dict:
+    """A workload of requests over a few shared system prompts with unique
+    tails, plus exact duplicates of two of them, split into `phases`."""
+    import random
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(3, vocab) for _ in range(n)] for n in prefix_lens]
+    reqs = []
+    for i in range(num_requests):
+        tail = [rng.randrange(3, vocab) for _ in range(rng.randrange(5, 80))]
+        reqs.append({"id": f"r{i}", "prompt_ids": prefixes[i % len(prefixes)] + tail,
+                     "max_tokens": rng.randrange(8, 40)})
+    reqs.append({"id": "dup0", "prompt_ids": reqs[0]["prompt_ids"], "max_tokens": 12})
+    reqs.append({"id": "dup3", "prompt_ids": reqs[3]["prompt_ids"], "max_tokens": 30})
+    step = -(-len(reqs) // phases)
+    return {"phases": [reqs[i:i + step] for i in range(0, len(reqs), step)]}
+
+
+def reinit_weights(model, seed: int, scale: float) -> int:
+    """Redraw every weight uniformly in [-scale, scale] from `seed` (norm
+    weights become 1); returns the number of tensors drawn."""
+    import torch
+    gen = torch.Generator().manual_seed(seed)
+    n = 0
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters()):
+            if "norm" in name:
+                p.fill_(1.0)
+            else:
+                draw = torch.rand(p.shape, generator=gen, dtype=torch.float32)
+                p.copy_((draw * 2 - 1) * scale)
+            n += 1
+    return n
+
+
+def build_llm(args):
+    from vllm import LLM
+    kw = dict(model=args.model, load_format="dummy", skip_tokenizer_init=True,
+              enforce_eager=True, enable_prefix_caching=True, block_size=args.block_size,
+              max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+              max_num_batched_tokens=args.max_num_batched_tokens, seed=0,
+              disable_log_stats=False, dtype=args.dtype)
+    if args.num_blocks:
+        kw["num_gpu_blocks_override"] = args.num_blocks
+    llm = LLM(**kw)
+    llm.apply_model(lambda m: reinit_weights(m, args.weight_seed, args.weight_scale))
+    return llm
+
+
+def counters(llm) -> dict[str, float]:
+    """The engine's prefix-cache and preemption counters (Prometheus names)."""
+    want = ("vllm:prefix_cache_queries", "vllm:prefix_cache_hits", "vllm:num_preemptions")
+    out = {}
+    for m in llm.get_metrics():
+        if m.name in want:
+            out[m.name.split(":", 1)[1]] = out.get(m.name.split(":", 1)[1], 0) + m.value
+    return out
+
+
+def manager_name(llm) -> str:
+    """The class of the engine's KV-cache manager (module.qualname), when
+    the engine core runs in this process."""
+    core = getattr(llm.llm_engine.engine_core, "engine_core", None)
+    if core is None:
+        return ""
+    m = type(core.scheduler.kv_cache_manager)
+    return f"{m.__module__}.{m.__qualname__}"
+
+
+def run(args) -> dict:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+    workload = json.loads(Path(args.workload).read_text())
+    t0 = time.perf_counter()
+    llm = build_llm(args)
+    startup = time.perf_counter() - t0
+    results = []
+    t1 = time.perf_counter()
+    for i, phase in enumerate(workload["phases"]):
+        if i and args.pause_file:
+            while not os.path.exists(args.pause_file):
+                time.sleep(0.02)
+        prompts = [TokensPrompt(prompt_token_ids=r["prompt_ids"]) for r in phase]
+        params = [SamplingParams(max_tokens=r.get("max_tokens", 8), temperature=0.0,
+                                 ignore_eos=True, detokenize=False) for r in phase]
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        for r, o in zip(phase, outs):
+            m = o.metrics
+            results.append({"id": r["id"], "phase": i, "token_ids": list(o.outputs[0].token_ids),
+                            "num_cached_tokens": o.num_cached_tokens,
+                            "ttft_s": getattr(m, "first_token_latency", None)})
+        if args.phase_done:
+            Path(f"{args.phase_done}.{i}").touch()
+    return {"pool": os.environ.get("KVSHM_POOL", ""), "startup_s": startup,
+            "elapsed_s": time.perf_counter() - t1, "requests": results,
+            "counters": counters(llm), "manager": manager_name(llm)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m kvshm.vllm.engine", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("model")
+    ap.add_argument("workload")
+    ap.add_argument("--out", help="write the report here (default: stdout)")
+    ap.add_argument("--block-size", type=int, default=32)
+    ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--max-num-seqs", type=int, default=8)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--num-blocks", type=int, default=0,
+                    help="vLLM's num_gpu_blocks_override (a kvshm pool's own count wins)")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--weight-seed", type=int, default=0)
+    ap.add_argument("--weight-scale", type=float, default=0.08)
+    ap.add_argument("--pause-file", help="wait for this file before each later phase")
+    ap.add_argument("--phase-done", help="touch PREFIX.<phase> after each phase")
+    args = ap.parse_args(argv)
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    report = run(args)
+    text = json.dumps(report)
+    if args.out:
+        Path(args.out).write_text(text)
+    else:
+        sys.stdout.write(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

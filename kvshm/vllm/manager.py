@@ -1,0 +1,133 @@
+"""The KV-cache manager a vLLM scheduler gets from the plugin: vLLM's
+`KVCacheManager` interface over a kvshm pool (embedded or a coordinator).
+
+It takes vLLM's `Request` objects as they are (their `block_hashes` are the
+pool's keys: kvshm's `vllm-sha256` hashes are vLLM's, byte for byte) and
+answers with vLLM's own `KVCacheBlocks` and `PrefixCacheStats`.  Runs inside
+vLLM processes only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+from vllm.v1.core.kv_cache_utils import KVCacheBlock
+from vllm.v1.metrics.stats import PrefixCacheStats
+
+from kvshm.vllm.binding import Backend, current_binding
+
+
+def _block_class(backend: Backend) -> type:
+    """vLLM's block type, with `block_hash` read from the pool (so
+    `get_unhashed_block_ids()` tells what the pool has cached now)."""
+    def block_hash(self):
+        return backend.block_hash(self.block_id)
+    return type("PoolBlock", (KVCacheBlock,), {"block_hash": property(block_hash)})
+
+
+class PoolKVCacheManager:
+    """Drop-in for vLLM 0.14's `KVCacheManager` (same constructor and
+    methods), backed by the pool `KVSHM_POOL` names."""
+
+    def __init__(self, kv_cache_config, max_model_len: int, hash_block_size: int,
+                 enable_caching: bool = True, use_eagle: bool = False,
+                 log_stats: bool = False, enable_kv_cache_events: bool = False,
+                 dcp_world_size: int = 1, pcp_world_size: int = 1,
+                 metrics_collector=None) -> None:
+        self.max_model_len = max_model_len
+        self.enable_caching = enable_caching
+        self.use_eagle = use_eagle
+        self.log_stats = log_stats
+        self.metrics_collector = metrics_collector
+        self.prefix_cache_stats = PrefixCacheStats() if log_stats else None
+        self.kv_cache_config = kv_cache_config
+        self.num_kv_cache_groups = len(kv_cache_config.kv_cache_groups)
+        self.backend = backend = current_binding().open_backend(
+            kv_cache_config, max_model_len=max_model_len, hash_block_size=hash_block_size,
+            enable_caching=enable_caching, use_eagle=use_eagle,
+            dcp_world_size=dcp_world_size, pcp_world_size=pcp_world_size)
+        block = _block_class(backend)
+        self._blocks = [block(i, is_null=(i == 0)) for i in range(backend.num_blocks)]
+        self.empty_kv_cache_blocks = KVCacheBlocks(
+            tuple(() for _ in range(self.num_kv_cache_groups)))
+
+    # -- conversions ---------------------------------------------------------------
+    def create_kv_cache_blocks(self, block_ids: Sequence[Sequence[int]] | None) -> KVCacheBlocks:
+        """vLLM blocks of block ids per group (the shared empty value when
+        there are none)."""
+        if not block_ids or not any(block_ids):
+            return self.empty_kv_cache_blocks
+        blocks = self._blocks
+        return KVCacheBlocks(tuple([blocks[b] for b in group] for group in block_ids))
+
+    @staticmethod
+    def _ids(blocks: KVCacheBlocks | None) -> list[list[int]] | None:
+        if blocks is None or not any(blocks.blocks):
+            return None
+        return [[b.block_id for b in group] for group in blocks.blocks]
+
+    # -- what the scheduler calls ---------------------------------------------------
+    @property
+    def usage(self) -> float:
+        return self.backend.usage()
+
+    def make_prefix_cache_stats(self) -> PrefixCacheStats | None:
+        """The lookups since the last call (None unless stats are logged)."""
+        if not self.log_stats:
+            return None
+        stats = self.prefix_cache_stats
+        self.prefix_cache_stats = PrefixCacheStats()
+        return stats
+
+    def get_computed_blocks(self, request) -> tuple[KVCacheBlocks, int]:
+        if not self.enable_caching or request.skip_reading_prefix_cache:
+            return self.empty_kv_cache_blocks, 0
+        ids, n = self.backend.get_computed_blocks(request)
+        if self.log_stats:
+            self.prefix_cache_stats.record(num_tokens=request.num_tokens, num_hits=n,
+                                           preempted=request.num_preemptions > 0)
+        return self.create_kv_cache_blocks(ids), n
+
+    def allocate_slots(self, request, num_new_tokens: int, num_new_computed_tokens: int = 0,
+                       new_computed_blocks: KVCacheBlocks | None = None,
+                       num_lookahead_tokens: int = 0, num_external_computed_tokens: int = 0,
+                       delay_cache_blocks: bool = False,
+                       num_encoder_tokens: int = 0) -> KVCacheBlocks | None:
+        new = self.backend.allocate_slots(
+            request, num_new_tokens, num_new_computed_tokens, self._ids(new_computed_blocks),
+            num_lookahead_tokens, num_external_computed_tokens, delay_cache_blocks,
+            num_encoder_tokens)
+        return None if new is None else self.create_kv_cache_blocks(new)
+
+    def free(self, request) -> None:
+        self.backend.free(request)
+
+    def remove_skipped_blocks(self, request_id: str, total_computed_tokens: int) -> None:
+        self.backend.remove_skipped_blocks(request_id, total_computed_tokens)
+
+    def evict_blocks(self, block_ids) -> None:
+        self.backend.evict_blocks(list(block_ids))
+
+    def reset_prefix_cache(self) -> bool:
+        if not self.backend.reset_prefix_cache():
+            return False
+        if self.log_stats:
+            self.prefix_cache_stats.reset = True
+        return True
+
+    def get_num_common_prefix_blocks(self, running_request_id: str) -> list[int]:
+        return self.backend.get_num_common_prefix_blocks(running_request_id)
+
+    def take_events(self) -> list:
+        return []
+
+    def get_blocks(self, request_id: str) -> KVCacheBlocks:
+        return self.create_kv_cache_blocks(self.backend.get_block_ids(request_id))
+
+    def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
+        return tuple(list(g) for g in self.backend.get_block_ids(request_id))
+
+    def cache_blocks(self, request, num_computed_tokens: int) -> None:
+        if self.enable_caching:
+            self.backend.cache_blocks(request, num_computed_tokens)

