@@ -113,7 +113,39 @@ class _Call:
         self.seq = 0
 
 
-class Client:
+class SessionInfo:
+    """What a session knows of its pool from the coordinator's Welcome; the
+    base of both clients (asyncio and synchronous)."""
+
+    def take_welcome(self, welcome: p.Welcome) -> None:
+        self.session_id = welcome.session_id
+        self.config = PoolConfig.from_json(welcome.config)
+        self.pool_segment = welcome.pool_segment
+        self.hash_fingerprint = welcome.hash_fingerprint
+        self.arena_segment = welcome.arena_segment
+        self.admin = welcome.admin
+        self.resume_token = welcome.resume_token
+        self.generation = welcome.generation
+
+    def make_hasher(self) -> BlockHasher | None:
+        """A hasher producing the pool's block hashes, for clients that hash
+        prompts themselves (send them with `block_hashes=`)."""
+        cfg = self.config
+        if not cfg.enable_caching:
+            return None
+        return BlockHasher(cfg.hash_algorithm, cfg.hash_seed, cfg.hash_block_size)
+
+    def attach_arena(self):
+        """Map the pool's KV data arena (a `kvshm.arena.KVArena`; close it
+        when done).  Raises SegmentError if the pool has none."""
+        from kvshm.arena import KVArena
+        from kvshm.core.errors import SegmentError
+        if not self.arena_segment:
+            raise SegmentError("this pool has no KV arena (its config has no kv shape)")
+        return KVArena.attach(self.arena_segment, self.config)
+
+
+class Client(SessionInfo):
     """A session with the coordinator; make one with `connect()`."""
 
     def __init__(self, path, hello: p.Hello, wire: _Wire, welcome: p.Welcome,
@@ -132,18 +164,8 @@ class Client:
         self.restarts: list[tuple[float, float]] = []   # (lost at, resumed at), monotonic
         self.replies_lost = 0
         self.resumed_requests = 0        # requests restored after restarts
-        self._welcome(welcome)
+        self.take_welcome(welcome)
         self._attach(wire)
-
-    def _welcome(self, welcome: p.Welcome) -> None:
-        self.session_id = welcome.session_id
-        self.config = PoolConfig.from_json(welcome.config)
-        self.pool_segment = welcome.pool_segment
-        self.hash_fingerprint = welcome.hash_fingerprint
-        self.arena_segment = welcome.arena_segment
-        self.admin = welcome.admin
-        self.resume_token = welcome.resume_token
-        self.generation = welcome.generation
 
     def _attach(self, wire: _Wire) -> None:
         self._wire = wire
@@ -169,23 +191,6 @@ class Client:
 
     async def __aexit__(self, *exc) -> None:
         await self.close()
-
-    def make_hasher(self) -> BlockHasher | None:
-        """A hasher producing the pool's block hashes, for clients that hash
-        prompts themselves (send them with `block_hashes=`)."""
-        cfg = self.config
-        if not cfg.enable_caching:
-            return None
-        return BlockHasher(cfg.hash_algorithm, cfg.hash_seed, cfg.hash_block_size)
-
-    def attach_arena(self):
-        """Map the pool's KV data arena (a `kvshm.arena.KVArena`; close it
-        when done).  Raises SegmentError if the pool has none."""
-        from kvshm.arena import KVArena
-        from kvshm.core.errors import SegmentError
-        if not self.arena_segment:
-            raise SegmentError("this pool has no KV arena (its config has no kv shape)")
-        return KVArena.attach(self.arena_segment, self.config)
 
     # -- raw calls ------------------------------------------------------------------------
     async def call(self, msg: msgspec.Struct, timeout: float | None = None):
@@ -318,7 +323,7 @@ class Client:
                                          f"back within {policy.timeout:g}s: {e}") from None
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, policy.max_delay)
-        self._welcome(welcome)
+        self.take_welcome(welcome)
         self._attach(wire)
         self._resumed.clear()
         return welcome
@@ -464,14 +469,23 @@ async def connect(path: str | os.PathLike, *, tenant: str = "", node: int = -1,
     Raises ConnectionLost if nothing listens at `path`, HandshakeError
     subclasses (VersionMismatch, HashMismatch, Forbidden) if the coordinator
     refuses, RequestTimeout if it does not answer."""
-    if admin and admin_token is None:
-        admin_token = read_admin_token(path)
-    hello = p.Hello(p.PROTOCOL_VERSION, os.getpid(),
-                    hash_fingerprint(hash_algorithm, hash_seed), node, tenant, token or "",
-                    admin_token or "")
+    hello = make_hello(path, tenant=tenant, node=node, token=token, admin=admin,
+                       admin_token=admin_token, hash_algorithm=hash_algorithm,
+                       hash_seed=hash_seed)
     wire, welcome = await open_wire(path, hello, timeout)
     return Client(path, hello, wire, welcome,
                   (reconnect or Reconnect()) if resume else None)
+
+
+def make_hello(path, *, tenant: str = "", node: int = -1, token: str | None = None,
+               admin: bool = False, admin_token: str | None = None,
+               hash_algorithm: str = "sha256", hash_seed: str = "kvshm-0") -> p.Hello:
+    """The handshake of a session (`connect()`'s arguments); `admin=True`
+    reads the admin token from beside the socket unless one is given."""
+    if admin and admin_token is None:
+        admin_token = read_admin_token(path)
+    return p.Hello(p.PROTOCOL_VERSION, os.getpid(), hash_fingerprint(hash_algorithm, hash_seed),
+                   node, tenant, token or "", admin_token or "")
 
 
 async def open_wire(path, hello: p.Hello, timeout: float) -> tuple[_Wire, p.Welcome]:

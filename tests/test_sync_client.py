@@ -1,0 +1,202 @@
+"""The synchronous client against a real coordinator process: the asyncio
+client's operations and errors, batches, timeouts, and riding through a
+coordinator restart."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+import threading
+
+import pytest
+
+from helpers import make_config, tokens
+from kvshm.core.errors import InvalidArgument, UnknownRequest
+from kvshm.core.segment import remove_segment, segment_info
+from kvshm.service import protocol as p
+from kvshm.service.errors import (
+    ConnectionClosed,
+    ConnectionLost,
+    HashMismatch,
+    RequestTimeout,
+    ResumeFailed,
+)
+from kvshm.service.process import CoordinatorProcess
+from kvshm.service.resume import Reconnect
+from kvshm.service.sync_client import connect_sync
+
+CFG = make_config(num_blocks=32, max_num_seqs=16)
+FAST = Reconnect(initial_delay=0.01, max_delay=0.1, timeout=20.0)
+
+
+@pytest.fixture
+def pool_name():
+    name = f"kvshm-test-{secrets.token_hex(5)}"
+    yield name
+    for n in (name, f"{name}.kv"):
+        if segment_info(n) is not None:
+            remove_segment(n, force=True)
+
+
+@pytest.fixture
+def proc(pool_name):
+    with CoordinatorProcess(CFG, name=pool_name) as proc:
+        yield proc
+
+
+def client(proc, **kw):
+    return connect_sync(proc.socket, hash_algorithm=CFG.hash_algorithm,
+                        hash_seed=CFG.hash_seed, reconnect=FAST, **kw)
+
+
+def test_the_scheduler_operations(proc):
+    with client(proc) as c:
+        assert c.config == CFG and c.session_id > 0
+        c.add_request("a", tokens(0, 10))
+        hits, n = c.get_computed_blocks("a")
+        assert (hits, n) == ([[]], 0)
+        new = c.allocate_slots("a", 10)
+        assert [len(g) for g in new] == [3]
+        c.cache_blocks("a", 8)
+        assert c.get_block_ids("a") == new
+        assert c.get_num_common_prefix_blocks("a") == [3]
+        free = c.free("a")
+        assert free == CFG.num_blocks - 1
+        c.add_request("b", tokens(0, 10))
+        hits, n = c.get_computed_blocks("b")
+        assert n == 8 and hits[0] == new[0][:2]
+        assert c.allocate_slots("b", 2, 8, use_computed_blocks=True) is not None
+        assert c.stats().num_requests == 1
+
+
+def test_errors_are_typed_and_change_nothing(proc):
+    with client(proc) as c:
+        with pytest.raises(UnknownRequest):
+            c.get_block_ids("nobody")
+        c.add_request("a", tokens(0, 10))
+        with pytest.raises(InvalidArgument, match="num_new_tokens"):
+            c.allocate_slots("a", 0)
+        assert c.get_block_ids("a") == [[]]
+        # A failing op in a batch: the ops before it applied, its error raised
+        # with their replies.
+        with pytest.raises(UnknownRequest) as e:
+            c.batch([p.AllocateSlots("a", 10), p.GetBlockIds("nobody")])
+        assert e.value.index == 1 and len(e.value.results) == 1
+        assert len(c.get_block_ids("a")[0]) == 3
+
+
+def test_batch_is_one_round_trip(proc):
+    with client(proc) as c:
+        replies = c.batch([p.AddRequest("a", tokens(0, 10)), p.GetComputedBlocks("a"),
+                           p.AllocateSlots("a", 10)])
+        assert [type(r).__name__ for r in replies] == ["Done", "ComputedBlocks", "Allocated"]
+
+
+def test_refused_handshakes(proc):
+    with pytest.raises(HashMismatch):
+        connect_sync(proc.socket, hash_algorithm="sha256", hash_seed="another seed")
+    with pytest.raises(ConnectionLost, match="no coordinator listening"):
+        connect_sync(proc.socket.with_name("nothing.sock"))
+
+
+def test_a_closed_client_raises(proc):
+    c = client(proc)
+    c.close()
+    with pytest.raises(ConnectionClosed):
+        c.stats()
+
+
+def test_a_timeout_leaves_the_stream_in_step(proc):
+    with client(proc) as c:
+        c.add_request("a", tokens(0, 10))
+        proc.proc.send_signal(19)                     # SIGSTOP: no replies for now
+        try:
+            with pytest.raises(RequestTimeout):
+                c.allocate_slots("a", 10, timeout=0.2)
+        finally:
+            proc.proc.send_signal(18)                 # SIGCONT
+        # The late reply is read and applied before the next call's.
+        assert len(c.get_block_ids("a")[0]) == 3
+
+
+def test_rides_through_a_coordinator_restart(proc, pool_name):
+    with client(proc) as c:
+        c.add_request("run", tokens(0, 10))
+        held = c.allocate_slots("run", 10)
+        c.advance("run", 10, [7])
+        c.add_request("done", tokens(50, 62))
+        c.allocate_slots("done", 12)
+        c.free("done")                                # its 3 full blocks stay cached
+        sid = c.session_id
+        proc.kill()
+        proc.restart()
+        assert c.get_block_ids("run") == held         # taken back, restored
+        assert c.session_id == sid and len(c.restarts) == 1 and c.resumed_requests == 1
+        assert c.allocate_slots("run", 1) is not None
+        c.add_request("again", tokens(50, 62))
+        assert c.get_computed_blocks("again")[1] == 8   # the cache survived
+
+
+# The Welcome is the session's first reply: the second frame's is the third.
+@pytest.mark.parametrize("where, nth", [("Session._reply:before", 3),
+                                        ("OpExecutor.execute_frame:before", 2)])
+def test_the_call_in_flight_at_a_crash_is_applied_once(pool_name, where, nth):
+    """The coordinator dies in the second frame: after committing it but
+    before its reply (the kept reply is the answer), or before applying it
+    (the frame is sent again).  Either way it takes effect once."""
+    env = dict(os.environ, KVSHM_CRASH=f"point={where} nth={nth}")
+    with CoordinatorProcess(CFG, name=pool_name, env=env) as proc:
+        c = client(proc)
+        c.add_request("a", tokens(0, 10))
+
+        def restart():
+            proc.proc.wait()
+            proc.restart(env={k: v for k, v in os.environ.items() if k != "KVSHM_CRASH"})
+
+        t = threading.Thread(target=restart)
+        t.start()
+        new = c.allocate_slots("a", 10)
+        t.join()
+        assert proc.restarts == 1 and len(c.restarts) == 1
+        assert len(new[0]) == 3 and c.get_block_ids("a") == new
+        assert c.stats().num_free_blocks == CFG.num_blocks - 1 - 3
+        c.close()
+
+
+def test_a_dropped_connection_ends_the_session(proc):
+    """Only a coordinator restart is ridden through: a connection dropped
+    while the coordinator lives ended the session, which freed its requests."""
+    c = client(proc)
+    c.add_request("a", tokens(0, 10))
+    c.allocate_slots("a", 10)
+    c._wire.sock.shutdown(socket.SHUT_RDWR)
+    with pytest.raises(ResumeFailed):
+        c.get_block_ids("a")
+    c.close()
+    with client(proc) as other:
+        assert other.stats().num_requests == 0
+
+
+def test_without_resume_a_restart_is_fatal(proc):
+    c = client(proc, resume=False)
+    c.add_request("a", tokens(0, 10))
+    proc.kill()
+    proc.restart()
+    with pytest.raises(ConnectionLost):
+        c.get_block_ids("a")
+    with pytest.raises(ConnectionLost):   # and stays so
+        c.stats()
+    c.close()
+
+
+def test_a_fresh_pool_cannot_resume_the_session(pool_name):
+    with CoordinatorProcess(CFG, name=pool_name) as proc:
+        c = client(proc)
+        c.add_request("a", tokens(0, 10))
+        proc.kill()
+        remove_segment(pool_name, force=True)
+        proc.restart()
+        with pytest.raises(ResumeFailed):
+            c.get_block_ids("a")
+        c.close()
