@@ -10,8 +10,16 @@ Layout (native byte order):
     writer   int32[num_blocks]  who last wrote each block (a worker's tag;
              0 = never written): lets a worker tell its own prefix-cache
              hits from blocks another worker computed
-    data     [num_blocks, num_layers, 2, block_size, num_kv_heads, head_size]
-             of the config's dtype, page aligned; axis 2 is K (0) / V (1).
+    data     of the config's dtype, page aligned, in one of two layouts
+             (`KVShape.layout`):
+             "blocks": [num_blocks, num_layers, 2, block_size, num_kv_heads,
+                        head_size], axis 2 K (0) / V (1): a block's bytes
+                        together (kvshm's workers);
+             "layers": [num_layers, 2, num_blocks, num_kv_heads, block_size,
+                        head_size]: per layer, the contiguous tensor vLLM's
+                        CPU attention uses as that layer's KV cache, so an
+                        engine maps it instead of allocating its own
+                        (`layer_region`).
              A block id belongs to one group at a time; layer l of every
              group shares the same bytes, as in vLLM.
 
@@ -54,6 +62,7 @@ _ARENA_FIELDS = {
     "dtype": (184, "16s"),
     "writer_offset": (200, "Q"),
     "data_offset": (208, "Q"),
+    "kv_layout": (216, "8s"),
 }
 
 
@@ -87,13 +96,28 @@ class ArenaLayout:
                                "(use a preset or add [kv] to the config)")
         self.config = config
         self.num_blocks = config.num_blocks
-        self.shape = (config.num_blocks, kv.num_layers, 2, config.kv_block_size,
-                      kv.num_kv_heads, kv.head_size)
+        self.kv_layout = kv.layout
+        if kv.layout == "layers":
+            self.shape = (kv.num_layers, 2, config.num_blocks, kv.num_kv_heads,
+                          config.kv_block_size, kv.head_size)
+        else:
+            self.shape = (config.num_blocks, kv.num_layers, 2, config.kv_block_size,
+                          kv.num_kv_heads, kv.head_size)
         self.dtype_name = kv.dtype
         self.block_bytes = config.kv_block_bytes
         self.writer_offset = HEADER_BYTES
         self.data_offset = _align(self.writer_offset + 4 * config.num_blocks, PAGE)
         self.size = self.data_offset + self.block_bytes * config.num_blocks
+
+    def layer_region(self, layer: int) -> tuple[int, int]:
+        """(byte offset, byte size) of layer `layer`'s K/V tensor in a
+        "layers" arena."""
+        if self.kv_layout != "layers":
+            raise SegmentError("the arena is laid out by blocks, not as per-layer tensors")
+        if not 0 <= layer < self.shape[0]:
+            raise SegmentError(f"layer {layer} is not in [0, {self.shape[0]})")
+        size = self.block_bytes * self.num_blocks // self.shape[0]
+        return self.data_offset + layer * size, size
 
 
 def _align(n: int, to: int) -> int:
@@ -122,9 +146,10 @@ class KVArena(OwnedMapping):
 
     @property
     def kv(self) -> np.ndarray:
-        """The K/V data as [block, layer, K|V, token, head, dim].  Made on
-        first use: the coordinator, which never reads it, needs no bfloat16
-        support."""
+        """The K/V data as [block, layer, K|V, token, head, dim] ("blocks"
+        layout) or [layer, K|V, block, head, token, dim] ("layers").  Made
+        on first use: the coordinator, which never reads it, needs no
+        bfloat16 support."""
         if self._kv is None:
             if self.closed:
                 raise SegmentError(f"arena {self.name!r} is closed")
@@ -140,7 +165,16 @@ class KVArena(OwnedMapping):
 
     @property
     def block_size(self) -> int:
-        return self.layout.shape[3]
+        lay = self.layout
+        return lay.shape[4] if lay.kv_layout == "layers" else lay.shape[3]
+
+    @property
+    def buffer(self) -> memoryview:
+        """The whole mapping (for views made by other libraries, e.g. torch
+        tensors over `layout.layer_region(l)`); release them before close()."""
+        if self.closed:
+            raise SegmentError(f"arena {self.name!r} is closed")
+        return self._shm.buf
 
     @classmethod
     def create(cls, config: PoolConfig, name: str, *, check_space: bool = True) -> "KVArena":
@@ -196,11 +230,14 @@ def _write_header(shm: _Shm, layout: ArenaLayout) -> None:
     pack("32s", buf, _HEADER["config_fingerprint"][0], config_fingerprint(layout.config))
     pack("Q", buf, _HEADER["num_blocks"][0], layout.num_blocks)
     pack("Q", buf, _HEADER["coordinator_pid"][0], os.getpid())
-    _, layers, _, bs, heads, head_size = layout.shape
-    for field, value in (("num_layers", layers), ("block_size", bs), ("num_kv_heads", heads),
-                         ("head_size", head_size), ("dtype", layout.dtype_name.encode()),
+    kv = layout.config.kv
+    for field, value in (("num_layers", kv.num_layers),
+                         ("block_size", layout.config.kv_block_size),
+                         ("num_kv_heads", kv.num_kv_heads), ("head_size", kv.head_size),
+                         ("dtype", layout.dtype_name.encode()),
                          ("writer_offset", layout.writer_offset),
-                         ("data_offset", layout.data_offset)):
+                         ("data_offset", layout.data_offset),
+                         ("kv_layout", layout.kv_layout.encode())):
         off, fmt = _ARENA_FIELDS[field]
         pack(fmt, buf, off, value)
 

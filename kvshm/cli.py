@@ -228,12 +228,28 @@ def _preset_names() -> list[str]:
     return list(PRESETS)
 
 
+DEFAULT_VLLM_KV_MEMORY = "1G"
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from kvshm.core.specs import PoolConfig
     from kvshm.service.presets import blocks_for_memory, parse_size, preset_config
     from kvshm.service.server import default_socket_path, run_async, serve
 
-    if args.preset:
+    vllm_only = [f for f, v in (("--block-size", args.block_size), ("--dtype", args.dtype),
+                                ("--max-model-len", args.max_model_len)) if v is not None]
+    if vllm_only and not args.vllm_model:
+        print(f"kvshm serve: {', '.join(vllm_only)} go with --vllm-model", file=sys.stderr)
+        return 2
+    if args.vllm_model:
+        from kvshm.vllm.model import VLLM_CPU_BLOCK_SIZE, model_pool_config
+        config = model_pool_config(
+            args.vllm_model, kv_memory=parse_size(args.kv_memory or DEFAULT_VLLM_KV_MEMORY),
+            block_size=args.block_size or VLLM_CPU_BLOCK_SIZE, dtype=args.dtype or "auto",
+            max_model_len=args.max_model_len)
+        if args.num_blocks:
+            config = config.replace(num_blocks=args.num_blocks).validate()
+    elif args.preset:
         config = preset_config(args.preset, num_blocks=args.num_blocks,
                                kv_memory=parse_size(args.kv_memory) if args.kv_memory else None)
     else:
@@ -246,6 +262,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 return 2
             config = config.replace(num_blocks=blocks_for_memory(
                 config.kv_block_bytes, parse_size(args.kv_memory))).validate()
+    hashing = {k: v for k, v in (("hash_algorithm", args.hash_algorithm),
+                                 ("hash_seed", args.hash_seed)) if v is not None}
+    if hashing:
+        config = config.replace(**hashing).validate()
     tokens = {}
     for flag, path in (("token", args.token_file), ("admin_token", args.admin_token_file)):
         if path:
@@ -341,6 +361,22 @@ def build_parser() -> argparse.ArgumentParser:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--config", help="pool config file (.toml or .json)")
     src.add_argument("--preset", help="a model-shaped preset: " + ", ".join(_preset_names()))
+    src.add_argument("--vllm-model", metavar="DIR",
+                     help="a pool for vLLM engines serving the model in DIR (its "
+                     "config.json): one KV-cache group, the arena laid out as vLLM's CPU "
+                     "attention tensors, vLLM's sha256 block hashes (docs/vllm.md)")
+    p.add_argument("--block-size", type=int,
+                   help="with --vllm-model: tokens per block (vLLM's CPU default, 128)")
+    p.add_argument("--dtype", choices=("auto", "float32", "float16", "bfloat16"),
+                   help="with --vllm-model: the KV dtype (auto: as vLLM picks it)")
+    p.add_argument("--max-model-len", type=int,
+                   help="with --vllm-model: longest request (default: the model's)")
+    from kvshm.core.hashing import HASH_ALGORITHMS
+    p.add_argument("--hash-algorithm", choices=HASH_ALGORITHMS,
+                   help="block hash algorithm (overrides the config's; vLLM engines need "
+                   "vllm-sha256 or vllm-sha256-cbor)")
+    p.add_argument("--hash-seed", help="block hash seed (overrides the config's; for vLLM "
+                   "algorithms the engines' PYTHONHASHSEED)")
     size = p.add_mutually_exclusive_group()
     size.add_argument("--num-blocks", type=int, help="pool size in blocks")
     size.add_argument("--kv-memory",

@@ -100,6 +100,14 @@ def test_refused_handshakes(proc):
         connect_sync(proc.socket.with_name("nothing.sock"))
 
 
+def test_a_client_may_take_the_pool_s_hashing(proc):
+    with connect_sync(proc.socket, hash_algorithm=None) as c:
+        h = c.make_hasher()
+        assert (h.algorithm, h.seed) == (CFG.hash_algorithm, CFG.hash_seed)
+        c.add_request("a", block_hashes=[b"\0" * 32, b"\1" * 32], num_tokens=9)
+        assert c.get_computed_blocks("a")[1] == 0
+
+
 def test_a_closed_client_raises(proc):
     c = client(proc)
     c.close()

@@ -15,7 +15,7 @@ from typing import Any, Union
 import msgspec
 
 from kvshm.core.errors import ConfigError
-from kvshm.core.hashing import HASH_ALGORITHMS
+from kvshm.core.hashing import HASH_ALGORITHMS, VLLM_HASH_ALGORITHMS
 
 
 class FullSpec(msgspec.Struct, frozen=True, tag="full", tag_field="type"):
@@ -92,18 +92,25 @@ MAX_NUM_BLOCKS = 2**31 - 2
 
 # Element types the KV arena can hold, and their sizes in bytes.
 KV_DTYPES = {"float32": 4, "float16": 2, "bfloat16": 2}
+KV_LAYOUTS = ("blocks", "layers")
 
 
-class KVShape(msgspec.Struct, frozen=True, kw_only=True):
+class KVShape(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     """What one block holds in the KV data arena: K and V of `block_size`
     tokens for `num_layers` layers (every group has that many layers, as in
     vLLM's grouping of hybrid models), `num_kv_heads` heads of `head_size`
-    elements of `dtype`."""
+    elements of `dtype`.
+
+    `layout` orders the arena's data (kvshm/arena.py): "blocks" (a block's
+    K/V of every layer together: kvshm's workers) or "layers" (one
+    contiguous [K|V, block, head, token, dim] tensor per layer: vLLM's CPU
+    attention, so engines use the arena as their KV-cache tensors)."""
 
     num_layers: int
     num_kv_heads: int
     head_size: int
     dtype: str = "float16"
+    layout: str = "blocks"
 
     @property
     def itemsize(self) -> int:
@@ -224,6 +231,13 @@ class PoolConfig(msgspec.Struct, frozen=True, kw_only=True):
             if self.kv.dtype not in KV_DTYPES:
                 raise ConfigError("kv.dtype", f"must be one of {', '.join(KV_DTYPES)} "
                                   f"(got {self.kv.dtype!r})")
+            if self.kv.layout not in KV_LAYOUTS:
+                raise ConfigError("kv.layout", f"must be one of {', '.join(KV_LAYOUTS)} "
+                                  f"(got {self.kv.layout!r})")
+        if self.hash_algorithm in VLLM_HASH_ALGORITHMS and not _is_hash_seed(self.hash_seed):
+            raise ConfigError(
+                "hash_seed", "a vLLM hash algorithm's seed is the engines' PYTHONHASHSEED: an "
+                f"integer in [0, 4294967295] (got {self.hash_seed!r})")
         if self.num_sink_blocks >= self.num_blocks - 1:
             raise ConfigError(
                 "num_blocks",
@@ -366,6 +380,11 @@ def attention_types(groups: tuple[GroupSpec, ...]) -> list[tuple[GroupSpec, list
         else:
             out.append((g, [i]))
     return out
+
+
+def _is_hash_seed(seed: str) -> bool:
+    """Whether `seed` is a value Python accepts as PYTHONHASHSEED."""
+    return seed.isascii() and seed.isdigit() and int(seed) < 2**32
 
 
 def _positive(field: str, value: int) -> None:

@@ -453,12 +453,15 @@ class Client(SessionInfo):
 
 async def connect(path: str | os.PathLike, *, tenant: str = "", node: int = -1,
                   token: str | None = None, admin: bool = False,
-                  admin_token: str | None = None, hash_algorithm: str = "sha256",
+                  admin_token: str | None = None, hash_algorithm: str | None = "sha256",
                   hash_seed: str = "kvshm-0", timeout: float = 10.0,
                   reconnect: "Reconnect | None" = None, resume: bool = True) -> Client:
     """Open a session.  `admin=True` reads the coordinator's generated admin
     token from beside its socket (or pass `admin_token`): the session may
     then reset the prefix cache, evict blocks and read the free queue.
+    The coordinator refuses a client whose `hash_algorithm` and `hash_seed`
+    differ from the pool's (HashMismatch); `hash_algorithm=None` takes the
+    pool's, whatever they are (hash with `make_hasher()`).
 
     With `resume` (the default) the client rides through coordinator
     restarts: it reconnects with bounded exponential backoff (`reconnect`,
@@ -479,13 +482,16 @@ async def connect(path: str | os.PathLike, *, tenant: str = "", node: int = -1,
 
 def make_hello(path, *, tenant: str = "", node: int = -1, token: str | None = None,
                admin: bool = False, admin_token: str | None = None,
-               hash_algorithm: str = "sha256", hash_seed: str = "kvshm-0") -> p.Hello:
+               hash_algorithm: str | None = "sha256", hash_seed: str = "kvshm-0") -> p.Hello:
     """The handshake of a session (`connect()`'s arguments); `admin=True`
-    reads the admin token from beside the socket unless one is given."""
+    reads the admin token from beside the socket unless one is given, and
+    `hash_algorithm=None` takes the pool's hashing, whatever it is (the
+    client then hashes with `make_hasher()`)."""
     if admin and admin_token is None:
         admin_token = read_admin_token(path)
-    return p.Hello(p.PROTOCOL_VERSION, os.getpid(), hash_fingerprint(hash_algorithm, hash_seed),
-                   node, tenant, token or "", admin_token or "")
+    fingerprint = "" if hash_algorithm is None else hash_fingerprint(hash_algorithm, hash_seed)
+    return p.Hello(p.PROTOCOL_VERSION, os.getpid(), fingerprint, node, tenant, token or "",
+                   admin_token or "")
 
 
 async def open_wire(path, hello: p.Hello, timeout: float) -> tuple[_Wire, p.Welcome]:

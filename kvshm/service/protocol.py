@@ -27,7 +27,7 @@ class _Op(msgspec.Struct, frozen=True, array_like=True, gc=False, tag_field="op"
 class Hello(_Op, tag="hello"):
     version: int
     pid: int
-    hash_fingerprint: str
+    hash_fingerprint: str   # "": the client takes the pool's hashing from the Welcome
     node: int = -1
     tenant: str = ""
     token: str = ""

@@ -290,7 +290,8 @@ class Coordinator:
                     hello.admin_token.encode(), self.admin_token.encode()):
                 return p.Error(Forbidden.code, "wrong admin token")
             admin = True
-        if hello.hash_fingerprint != self.fingerprint:
+        # An empty fingerprint takes the pool's hashing (from the Welcome).
+        if hello.hash_fingerprint and hello.hash_fingerprint != self.fingerprint:
             return p.Error(HashMismatch.code, f"hash fingerprint {hello.hash_fingerprint} "
                            f"differs from the pool's {self.fingerprint} (same "
                            "hash_algorithm and hash_seed needed)")

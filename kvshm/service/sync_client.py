@@ -355,7 +355,7 @@ class SyncClient(SessionInfo):
 
 def connect_sync(path: str | os.PathLike, *, tenant: str = "", node: int = -1,
                  token: str | None = None, admin: bool = False,
-                 admin_token: str | None = None, hash_algorithm: str = "sha256",
+                 admin_token: str | None = None, hash_algorithm: str | None = "sha256",
                  hash_seed: str = "kvshm-0", timeout: float = 10.0,
                  reconnect: Reconnect | None = None, resume: bool = True) -> SyncClient:
     """Open a session (blocking); the arguments and errors of `connect()`."""

@@ -25,8 +25,9 @@ from kvshm.core.specs import PoolConfig
 log = logging.getLogger("kvshm.vllm")
 
 EMBEDDED = "embedded"
-# The seed an embedded pool (and an engine that set none) hashes with.
-DEFAULT_SEED = "kvshm-0"
+# The seed an embedded pool (and an engine that set none) hashes with: it
+# becomes PYTHONHASHSEED, which must be an integer.
+DEFAULT_SEED = "0"
 
 
 class Backend(Protocol):
@@ -83,15 +84,18 @@ class PoolBinding:
         self.engine_config = None    # vLLM's VllmConfig, set by the scheduler patch
         self.backend: Backend | None = None
         self.backend_hasher: BlockHasher | None = None
+        self.client = None           # shared pools: the SyncClient
+        self.arena = None            # shared pools: the KV arena the engine computes into
 
     # -- hashing -----------------------------------------------------------------
-    def engine_hashing(self, pool_algorithm: str | None, pool_seed: str | None) -> tuple[str, str]:
+    def engine_hashing(self, vllm_config, pool_algorithm: str | None,
+                       pool_seed: str | None) -> tuple[str, str]:
         """The (kvshm algorithm, seed) this engine hashes with, after making
         it the pool's: an engine without PYTHONHASHSEED gets the pool's seed
         (vLLM would pick a random one, and no two engines would ever share).
         Raises PoolRefused when the engine's algorithm or explicit seed is
         not the pool's."""
-        vllm_algo = self.engine_config.cache_config.prefix_caching_hash_algo
+        vllm_algo = vllm_config.cache_config.prefix_caching_hash_algo
         algo = next((k for k, v in VLLM_HASH_ALGORITHMS.items() if v == vllm_algo), None)
         if algo is None:
             raise PoolRefused(
@@ -117,53 +121,130 @@ class PoolBinding:
                 f"{pool_seed!r}")
         return algo, seed
 
-    def check_none_hash(self, hasher: BlockHasher) -> None:
-        """After vLLM derived its parent hash of block 0: it must be the
-        pool's (else no block this engine hashes would ever match)."""
-        from vllm.v1.core import kv_cache_utils
-        got = kv_cache_utils.NONE_HASH
-        if got != hasher.none_hash:
-            raise PoolRefused(
-                "the engine's block hashes start from a different seed than the pool's "
-                f"({hasher.algorithm}, seed {hasher.seed!r}): PYTHONHASHSEED changed after "
-                "the engine started, or another plugin set it")
-
     def engine_started(self) -> None:
-        """The engine core is built (vLLM has derived its hash seed)."""
-        if self.backend is not None and self.backend_hasher is not None:
-            self.check_none_hash(self.backend_hasher)
+        """The engine core is built: vLLM has derived the parent hash of
+        block 0, which must be the pool's (else no block this engine hashes
+        would ever match)."""
+        if self.backend_hasher is None:
+            return
+        from vllm.v1.core import kv_cache_utils
+        h = self.backend_hasher
+        if kv_cache_utils.NONE_HASH != h.none_hash:
+            raise PoolRefused(
+                "the engine's block hashes start from another seed than the pool's "
+                f"({h.algorithm}, seed {h.seed!r}): PYTHONHASHSEED changed after the engine "
+                "started, or another plugin set it")
+
+    # -- shared pools: the coordinator, the engine's size and its KV tensors ------------
+    def connect(self):
+        """The session with the coordinator (opened on first use)."""
+        if self.client is None:
+            from kvshm.service.server import default_socket_path
+            from kvshm.service.sync_client import connect_sync
+            t = self.target
+            path = t if ("/" in t or t.endswith(".sock")) else default_socket_path(t)
+            self.client = connect_sync(
+                path, hash_algorithm=None, tenant=os.environ.get("KVSHM_TENANT", ""),
+                node=int(os.environ.get("KVSHM_NODE", "-1")),
+                admin=os.environ.get("KVSHM_ADMIN") == "1")
+            atexit.register(self.close)
+            log.info("kvshm: engine %d on pool %s (session %d, %d blocks)", os.getpid(), path,
+                     self.client.session_id, self.client.config.num_blocks)
+        return self.client
+
+    def size_engine(self, vllm_config) -> None:
+        """Before vLLM sizes its KV cache: the engine must fit the pool
+        (block size, context, hashing), and gets the pool's block count."""
+        from kvshm.vllm.specs import engine_differences
+        pool = self.connect().config
+        problems = engine_differences(pool, vllm_config)
+        if problems:
+            raise PoolRefused(_refusal(self.target, problems))
+        self.engine_hashing(vllm_config, pool.hash_algorithm, pool.hash_seed)
+        vllm_config.cache_config.num_gpu_blocks_override = pool.num_blocks
+
+    def kv_cache_tensors(self, runner, kv_cache_config) -> dict:
+        """The engine's raw KV-cache tensors (vLLM reshapes them per layer):
+        views of the pool's arena, so every engine computes into, and reads
+        hits from, the same bytes."""
+        import torch
+        from kvshm.vllm.specs import arena_differences
+        client = self.connect()
+        problems = arena_differences(client.config, kv_cache_config)
+        if problems:
+            raise PoolRefused(_refusal(self.target, problems))
+        if self.arena is None:
+            self.arena = client.attach_arena()
+        layout, buf = self.arena.layout, self.arena.buffer
+        raw = {}
+        for i, t in enumerate(kv_cache_config.kv_cache_tensors):
+            offset, size = layout.layer_region(i)
+            tensor = torch.frombuffer(buf, dtype=torch.int8, count=size, offset=offset)
+            for name in t.shared_by:
+                raw[name] = tensor
+        return raw
+
+    def step_computed(self, scheduler_output) -> None:
+        """A step's forward pass is done: its K/V are in the arena."""
+        if self.backend is not None and not self.embedded:
+            self.backend.step_computed(scheduler_output.num_scheduled_tokens)
 
     # -- backends ------------------------------------------------------------------
     def open_backend(self, kv_cache_config, *, max_model_len: int, hash_block_size: int,
                      enable_caching: bool, use_eagle: bool, dcp_world_size: int,
                      pcp_world_size: int) -> Backend:
         """The backend of the scheduler's manager (one per process)."""
-        from kvshm.vllm.specs import pool_config
+        from kvshm.vllm.specs import config_differences, pool_config
         if self.engine_config is None:
             raise ConfigError("KVSHM_POOL", "the kvshm plugin's scheduler patch did not run")
         if self.backend is not None:
             raise ConfigError("KVSHM_POOL", "one kvshm pool manager per engine process")
-        sched = self.engine_config.scheduler_config
+        shape = dict(max_model_len=max_model_len, hash_block_size=hash_block_size,
+                     enable_caching=enable_caching, use_eagle=use_eagle,
+                     dcp_world_size=dcp_world_size, pcp_world_size=pcp_world_size)
         if self.embedded:
-            algo, seed = self.engine_hashing(None, None)
+            algo, seed = self.engine_hashing(self.engine_config, None, None)
             config = pool_config(
-                kv_cache_config, max_model_len=max_model_len,
-                hash_block_size=hash_block_size, enable_caching=enable_caching,
-                use_eagle=use_eagle, dcp_world_size=dcp_world_size,
-                pcp_world_size=pcp_world_size, max_num_seqs=2 * sched.max_num_seqs,
+                kv_cache_config, **shape,
+                max_num_seqs=2 * self.engine_config.scheduler_config.max_num_seqs,
                 hash_algorithm=algo, hash_seed=seed)
-            self.backend = EmbeddedBackend(config)
-            atexit.register(self.close)
-            self.backend_hasher = self.backend.manager.make_hasher()
-            log.info("kvshm: embedded pool %s, %d blocks", self.backend.manager.segment.name,
+            backend = EmbeddedBackend(config)
+            log.info("kvshm: embedded pool %s, %d blocks", backend.manager.segment.name,
                      config.num_blocks)
-            return self.backend
-        raise ConfigError("KVSHM_POOL", f"{self.target!r}: shared pools come with the sync client")
+            self.backend_hasher = backend.manager.make_hasher()
+        else:
+            from kvshm.vllm.remote import RemoteBackend
+            client = self.connect()
+            pool = client.config
+            algo, seed = self.engine_hashing(self.engine_config, pool.hash_algorithm,
+                                             pool.hash_seed)
+            engine = pool_config(kv_cache_config, **shape, max_num_seqs=pool.max_num_seqs,
+                                 hash_algorithm=algo, hash_seed=seed)
+            problems = config_differences(pool, engine)
+            if kv_cache_config.num_blocks != pool.num_blocks:
+                problems.append(f"num_blocks: pool {pool.num_blocks}, engine "
+                                f"{kv_cache_config.num_blocks}")
+            if problems:
+                raise PoolRefused(_refusal(self.target, problems))
+            backend = RemoteBackend(client)
+            self.backend_hasher = client.make_hasher()
+        self.backend = backend
+        atexit.register(self.close)
+        return backend
 
     def close(self) -> None:
         if self.backend is not None:
             self.backend.close()
             self.backend = None
+        if self.client is not None:
+            self.client.close()
+            self.client = None
+
+
+def _refusal(target: str, problems: list[str]) -> str:
+    return (f"this engine does not fit the kvshm pool at {target!r}: " + "; ".join(problems)
+            + " (serve the pool for this model: kvshm serve --vllm-model DIR "
+            "--block-size N, and start the engine with the same block size)")
 
 
 _binding: PoolBinding | None = None

@@ -109,3 +109,60 @@ def _show(value) -> str:
     if isinstance(value, tuple):
         return "[" + ", ".join(f"{type(g).__name__}{_allocator_fields(g)}" for g in value) + "]"
     return repr(value)
+
+
+def _dtype_name(dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def engine_differences(pool: PoolConfig, vllm_config) -> list[str]:
+    """Before the engine sizes its KV cache: what keeps it from the pool
+    (block size, context length, KV dtype, an arena it can use)."""
+    out = []
+    kv = pool.kv
+    if kv is None or kv.layout != "layers":
+        out.append("the pool has no KV arena laid out as vLLM's per-layer tensors")
+    bs = vllm_config.cache_config.block_size
+    sizes = sorted({g.block_size for g in pool.groups})
+    if sizes != [bs]:
+        out.append(f"block_size: pool {sizes[0] if len(sizes) == 1 else sizes}, engine {bs}")
+    n = vllm_config.model_config.max_model_len
+    if n > pool.max_model_len:
+        out.append(f"max_model_len: pool {pool.max_model_len}, engine {n}")
+    dt = _dtype_name(vllm_config.model_config.dtype)
+    if kv is not None and dt != kv.dtype:
+        out.append(f"KV dtype: pool {kv.dtype}, engine {dt}")
+    return out
+
+
+def arena_differences(pool: PoolConfig, kv_cache_config: vi.KVCacheConfig) -> list[str]:
+    """Whether the engine's KV-cache tensors are the pool arena's per-layer
+    regions: same block count, layers, heads, head size, dtype and bytes."""
+    from kvshm.arena import ArenaLayout
+    kv = pool.kv
+    if kv is None or kv.layout != "layers":
+        return ["the pool has no KV arena laid out as vLLM's per-layer tensors"]
+    out = []
+    if kv_cache_config.num_blocks != pool.num_blocks:
+        out.append(f"num_blocks: pool {pool.num_blocks}, engine {kv_cache_config.num_blocks}")
+    tensors = kv_cache_config.kv_cache_tensors
+    if len(tensors) != kv.num_layers:
+        out.append(f"layers: pool {kv.num_layers}, engine {len(tensors)}")
+    for g, group in enumerate(kv_cache_config.kv_cache_groups):
+        spec = group.kv_cache_spec
+        if not isinstance(spec, vi.AttentionSpec):
+            out.append(f"group {g}: {type(spec).__name__} has no K/V a shared arena can hold")
+            continue
+        for name, want, got in (("KV heads", kv.num_kv_heads, spec.num_kv_heads),
+                                ("head size", kv.head_size, spec.head_size),
+                                ("KV dtype", kv.dtype, _dtype_name(spec.dtype))):
+            if want != got:
+                out.append(f"group {g} {name}: pool {want}, engine {got}")
+    if not out:
+        layout = ArenaLayout(pool)
+        for i, t in enumerate(tensors):
+            size = layout.layer_region(i)[1]
+            if t.size != size:
+                out.append(f"layer {i} tensor: pool {size:,} bytes, engine {t.size:,}")
+                break
+    return out

@@ -1,0 +1,198 @@
+"""The engine's backend on a shared pool: vLLM's manager calls become frames
+of the synchronous client, one round trip per call.
+
+vLLM requests go to the coordinator by their block hashes (the ones vLLM
+computed: the pool hashes with the same `vllm-sha256`), and are brought up
+to date (new tokens, hashes, computed count) in the frame of the next op
+that needs them.  Caching is delayed to the end of the step
+(`step_computed`): a block becomes a hit for other engines only once this
+engine's forward pass wrote its K/V into the arena.  Runs inside vLLM
+processes only (no vLLM import here, though).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from kvshm.core.errors import StaleHits
+from kvshm.core.segment import FLAG_CACHED, PoolSegment
+from kvshm.core.specs import FullSpec, MLASpec, PoolConfig, SinkFullSpec, CrossAttentionSpec
+from kvshm.service import protocol as p
+from kvshm.service.errors import Forbidden
+from kvshm.service.sync_client import SyncClient
+
+log = logging.getLogger("kvshm.vllm")
+
+# Groups whose block lists only grow (no window drops blocks): the backend
+# keeps a request's block ids itself instead of asking for them.
+_GROWING = (FullSpec, MLASpec, SinkFullSpec, CrossAttentionSpec)
+_HASH_SLOT = 32
+
+
+class _Sent:
+    """What the coordinator knows of one request."""
+
+    __slots__ = ("num_tokens", "num_hashes", "computed")
+
+    def __init__(self, num_tokens: int, num_hashes: int, computed: int) -> None:
+        self.num_tokens = num_tokens
+        self.num_hashes = num_hashes
+        self.computed = computed
+
+
+class RemoteBackend:
+    """A vLLM engine's session with a coordinator (see the module doc)."""
+
+    def __init__(self, client: SyncClient, *, delay_caching: bool = True) -> None:
+        self.client = client
+        self.config: PoolConfig = client.config
+        self.num_blocks = self.config.num_blocks
+        self.delay_caching = delay_caching
+        self.segment = PoolSegment.attach(client.pool_segment)
+        self._flags = self.segment.flags
+        self._hashes = self.segment.hashes
+        self._sent: dict[str, _Sent] = {}
+        self._pending: dict[str, int] = {}    # request -> tokens to cache after the step
+        self._mirror: dict[str, list[list[int]]] | None = (
+            {} if all(isinstance(g, _GROWING) for g in self.config.groups) else None)
+        self.stale_hits = 0          # allocations retried because another engine took the hit
+        self._warned: set[str] = set()
+
+    # -- reading the pool without a round trip ------------------------------------------
+    def usage(self) -> float:
+        free = self.segment.get("num_free_blocks")
+        return 1.0 - free / (self.num_blocks - 1)
+
+    def block_hash(self, block_id: int) -> bytes | None:
+        if not self._flags[block_id] & FLAG_CACHED:
+            return None
+        off = block_id * _HASH_SLOT
+        return bytes(self._hashes[off:off + _HASH_SLOT])
+
+    # -- bringing a request up to date --------------------------------------------------
+    def _sync(self, request) -> list:
+        """The ops that give the coordinator this request's current state."""
+        rid = request.request_id
+        sent = self._sent.get(rid)
+        hashes = request.block_hashes
+        if sent is None:
+            lora = request.lora_request.lora_name if request.lora_request else None
+            ops = [p.AddRequest(rid, None, list(hashes), request.num_tokens, lora,
+                                request.cache_salt, request.skip_reading_prefix_cache)]
+            self._sent[rid] = _Sent(request.num_tokens, len(hashes), 0)
+            if request.num_computed_tokens:
+                ops.append(p.Advance(rid, request.num_computed_tokens))
+                self._sent[rid].computed = request.num_computed_tokens
+            return ops
+        n, c = request.num_tokens, request.num_computed_tokens
+        if n == sent.num_tokens and c == sent.computed:
+            return []
+        op = p.Advance(rid, c, [], list(hashes[sent.num_hashes:]), n - sent.num_tokens)
+        sent.num_tokens, sent.num_hashes, sent.computed = n, len(hashes), c
+        return [op]
+
+    def _run(self, ops: list):
+        """Run ops in one frame; the last one's reply."""
+        return self.client.batch(ops)[-1] if len(ops) > 1 else self.client.call(ops[0])
+
+    # -- the manager's calls ---------------------------------------------------------------
+    def get_computed_blocks(self, request) -> tuple[list[list[int]], int]:
+        r = self._run(self._sync(request) + [p.GetComputedBlocks(request.request_id)])
+        return r.block_ids, r.num_computed_tokens
+
+    def allocate_slots(self, request, num_new_tokens, num_new_computed_tokens, hits,
+                       num_lookahead_tokens, num_external_computed_tokens,
+                       delay_cache_blocks, num_encoder_tokens) -> list[list[int]] | None:
+        rid = request.request_id
+        delay = delay_cache_blocks or self.delay_caching
+        ops = self._sync(request) + [p.AllocateSlots(
+            rid, num_new_tokens, num_new_computed_tokens, hits is not None,
+            num_lookahead_tokens, num_external_computed_tokens, delay, num_encoder_tokens)]
+        try:
+            new = self._run(ops).new_block_ids
+        except StaleHits:
+            # Another engine reused a hit block between this engine's lookup
+            # and its allocation: as if the pool were full, so the scheduler
+            # looks the request up again next step.
+            self.stale_hits += 1
+            return None
+        if new is None:
+            return None
+        if self._mirror is not None:
+            held = self._mirror.get(rid)
+            if held is None:
+                self._mirror[rid] = [list(h) + n for h, n in zip(hits or [[]] * len(new), new)]
+            else:
+                for h, n in zip(held, new):
+                    h.extend(n)
+        if self.delay_caching and not delay_cache_blocks and self.config.enable_caching:
+            total = (request.num_computed_tokens + num_new_computed_tokens
+                     + num_external_computed_tokens + num_new_tokens)
+            self._pending[rid] = min(total, request.num_tokens)
+        return new
+
+    def step_computed(self, request_ids) -> None:
+        """The forward pass of a step wrote the K/V of its requests: cache
+        their full blocks now (one frame for the whole step)."""
+        pending = self._pending
+        ops = [p.CacheBlocks(rid, pending.pop(rid)) for rid in request_ids if rid in pending]
+        if ops:
+            self.client.batch(ops)
+
+    def cache_blocks(self, request, num_computed_tokens: int) -> None:
+        self._pending.pop(request.request_id, None)
+        self._run(self._sync(request) + [p.CacheBlocks(request.request_id, num_computed_tokens)])
+
+    def free(self, request) -> None:
+        rid = request.request_id
+        self._pending.pop(rid, None)
+        if self._mirror is not None:
+            self._mirror.pop(rid, None)
+        if rid not in self._sent:
+            return                   # never reached the pool
+        # A running request freed is being preempted: the coordinator keeps
+        # its hashes for the lookup that re-admits it.
+        preempted = getattr(request.status, "name", "") == "RUNNING"
+        if not preempted:
+            del self._sent[rid]
+        self.client.call(p.Free(rid, preempted))
+
+    def remove_skipped_blocks(self, request_id: str, total_computed_tokens: int) -> None:
+        if request_id in self._sent:
+            self.client.call(p.RemoveSkippedBlocks(request_id, total_computed_tokens))
+
+    def get_block_ids(self, request_id: str) -> list[list[int]]:
+        if self._mirror is not None:
+            held = self._mirror.get(request_id)
+            return held if held is not None else [[] for _ in self.config.groups]
+        if request_id not in self._sent:
+            return [[] for _ in self.config.groups]
+        return self.client.get_block_ids(request_id)
+
+    def get_num_common_prefix_blocks(self, request_id: str) -> list[int]:
+        return self.client.get_num_common_prefix_blocks(request_id)
+
+    def evict_blocks(self, block_ids: list[int]) -> None:
+        try:
+            self.client.evict_blocks(block_ids)
+        except Forbidden as e:
+            self._warn_once("evict", f"kvshm: not evicting {len(block_ids)} blocks of the "
+                            f"shared pool: {e} (KVSHM_ADMIN=1 connects as admin)")
+
+    def reset_prefix_cache(self) -> bool:
+        try:
+            return self.client.reset_prefix_cache()
+        except Forbidden as e:
+            self._warn_once("reset", f"kvshm: not resetting the shared pool's prefix cache: "
+                            f"{e} (KVSHM_ADMIN=1 connects as admin)")
+            return False
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            log.warning(message)
+
+    def close(self) -> None:
+        self.client.close()
+        self._flags = self._hashes = None
+        self.segment.close()
