@@ -81,3 +81,124 @@ def test_embedded_pool_generates_what_vllm_s_own_manager_does(model_dir, tmp_pat
     # Distinct outputs: the weights make generation depend on the context.
     assert len({tuple(t) for t, _ in outputs(own).values()}) >= 14
     assert kvshm_segments() == before   # the embedded segment went with the engine
+
+
+# -- shared pools ---------------------------------------------------------------------
+BLOCK = 32
+
+
+def prefix_workloads(seed: int = 5, n_b: int = 3):
+    """A: one prompt; B: prompts that share its 200-token prefix."""
+    import random
+    rng = random.Random(seed)
+    prefix = [rng.randrange(3, 1000) for _ in range(200)]
+    a = {"phases": [[{"id": "a0", "prompt_ids": prefix + [5, 6, 7], "max_tokens": 16}]]}
+    b = {"phases": [[{"id": f"b{i}", "prompt_ids": prefix + [rng.randrange(3, 1000)
+                                                            for _ in range(20)],
+                      "max_tokens": 16} for i in range(n_b)]]}
+    return a, b
+
+
+@pytest.fixture
+def pool(model_dir, tmp_path):
+    """A coordinator serving a pool for the tiny model (2048 blocks of 32)."""
+    from kvshm.service.process import CoordinatorProcess
+    from kvshm.vllm.model import model_pool_config
+    config = model_pool_config(model_dir, kv_memory=64 << 20, block_size=BLOCK,
+                               max_model_len=2048)
+    with CoordinatorProcess(config) as proc:
+        yield proc
+
+
+def pool_stats(proc) -> dict:
+    from kvshm.core.segment import PoolSegment
+    from kvshm.core.stats import read_stats
+    seg = PoolSegment.attach(proc.name)
+    try:
+        return read_stats(seg)
+    finally:
+        seg.close()
+
+
+def test_engines_share_the_pool_the_prefix_cache_and_the_kv_bytes(model_dir, tmp_path, pool):
+    a_wl, b_wl = prefix_workloads()
+    alone = run_engine(model_dir, b_wl, tmp_path, "alone", pool=None)
+    a = run_engine(model_dir, a_wl, tmp_path, "a", pool=str(pool.socket))
+    b = run_engine(model_dir, b_wl, tmp_path, "b", pool=str(pool.socket))
+    assert a["manager"] == b["manager"] == "kvshm.vllm.manager.PoolKVCacheManager"
+    # B's first request hits the 6 full blocks A computed (another process).
+    first = b["requests"][0]
+    assert first["num_cached_tokens"] == 6 * BLOCK
+    assert alone["requests"][0]["num_cached_tokens"] == 0
+    # ... and generates what it generates on its own.
+    assert [r["token_ids"] for r in b["requests"]] == [r["token_ids"] for r in alone["requests"]]
+    st = pool_stats(pool)
+    assert st["num_requests"] == 0 and st["num_used_blocks"] == 0   # engines gone, blocks back
+    assert st["hit_tokens"] >= 3 * 6 * BLOCK
+
+
+def test_a_corrupted_block_in_the_arena_changes_what_another_engine_generates(
+        model_dir, tmp_path, pool):
+    from kvshm.arena import KVArena, arena_name
+    from kvshm.core.segment import FLAG_CACHED, PoolSegment
+    a_wl, b_wl = prefix_workloads(n_b=1)
+    alone = run_engine(model_dir, b_wl, tmp_path, "alone", pool=None)
+    run_engine(model_dir, a_wl, tmp_path, "a", pool=str(pool.socket))
+    seg_stats = pool_stats(pool)
+    assert seg_stats["num_cached_blocks"] == 6
+    seg = PoolSegment.attach(pool.name)
+    cached = [b for b in range(seg.config.num_blocks) if seg.flags[b] & FLAG_CACHED]
+    arena = KVArena.attach(arena_name(pool.name), seg.config)
+    try:
+        kv = arena.kv                       # [layer, K|V, block, head, token, dim]
+        kv[0, 0, cached[-1]] = kv[0, 0, cached[-1]][..., ::-1]   # scramble one block's K
+        del kv
+    finally:
+        arena.close()
+        seg.close()
+    b = run_engine(model_dir, b_wl, tmp_path, "b", pool=str(pool.socket))
+    assert b["requests"][0]["num_cached_tokens"] == 6 * BLOCK
+    assert b["requests"][0]["token_ids"] != alone["requests"][0]["token_ids"]
+
+
+def test_an_engine_that_does_not_fit_the_pool_is_refused(model_dir, tmp_path, pool):
+    a_wl, _ = prefix_workloads()
+    proc = run_engine(model_dir, a_wl, tmp_path, "bs16", pool=str(pool.socket),
+                      extra=("--block-size", "16"), check=False)
+    assert proc.returncode != 0
+    assert "does not fit the kvshm pool" in proc.stderr
+    assert "block_size: pool 32, engine 16" in proc.stderr
+    proc = run_engine(model_dir, a_wl, tmp_path, "seed", pool=str(pool.socket),
+                      env={"PYTHONHASHSEED": "7"}, check=False)
+    assert proc.returncode != 0
+    assert "PYTHONHASHSEED is '7', the pool's hash seed '0'" in proc.stderr
+    proc = run_engine(model_dir, a_wl, tmp_path, "nopool", pool=str(tmp_path / "none.sock"),
+                      check=False)
+    assert proc.returncode != 0 and "no coordinator listening" in proc.stderr
+    assert pool_stats(pool)["num_requests"] == 0
+
+
+def test_an_engine_rides_through_a_coordinator_restart(model_dir, tmp_path, pool):
+    import threading
+    import time
+    wl = shared_prefix_workload(seed=9, num_requests=12, phases=3)
+    alone = run_engine(model_dir, wl, tmp_path, "alone", pool=None)
+    marker = tmp_path / "phase"
+
+    def kill_mid_run():
+        deadline = time.monotonic() + ENGINE_TIMEOUT
+        while not Path(f"{marker}.0").exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        pool.kill()
+        time.sleep(0.3)
+        pool.restart()
+
+    t = threading.Thread(target=kill_mid_run)
+    t.start()
+    shared = run_engine(model_dir, wl, tmp_path, "shared", pool=str(pool.socket),
+                        extra=("--phase-done", str(marker)))
+    t.join()
+    assert pool.restarts == 1
+    assert [r["token_ids"] for r in shared["requests"]] == \
+        [r["token_ids"] for r in alone["requests"]]
+    assert pool_stats(pool)["num_requests"] == 0
