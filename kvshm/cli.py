@@ -298,7 +298,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 print(f"kvshm coordinator: KV arena /dev/shm/{coord.arena.name} "
                       f"({coord.arena.layout.size:,} bytes: {kv.num_layers} layers x "
                       f"{kv.num_kv_heads} KV heads x {kv.head_size}, {kv.dtype}, "
-                      f"{config.kv_block_bytes:,} bytes a block)", flush=True)
+                      f"{config.kv_block_bytes:,} bytes a block, {kv.layout} layout)",
+                      flush=True)
         print(f"ready {args.name} {sock}", flush=True)
 
     run_async(serve(config, name=args.name, socket_path=sock, **tokens,

@@ -61,7 +61,8 @@ EOF
   "${pip[@]}" "${reqs[@]}"
   # vLLM's requirements may move packages kvshm pinned: reinstall it last.
   "${pip[@]}" -e "$REPO[$KVSHM_EXTRAS]"
-  "$VENV/bin/python" -c "import vllm, torch, kvshm.vllm" >/dev/null
+  # From elsewhere than the repository, so that only the install can supply them.
+  (cd / && "$VENV/bin/python" -c "import vllm, torch, kvshm.vllm, workers") >/dev/null
   echo "$want" > "$stamp"
 fi
 echo "$VENV/bin/python"

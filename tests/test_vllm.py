@@ -173,7 +173,7 @@ def test_an_engine_that_does_not_fit_the_pool_is_refused(model_dir, tmp_path, po
     assert proc.returncode != 0
     assert "PYTHONHASHSEED is '7', the pool's hash seed '0'" in proc.stderr
     proc = run_engine(model_dir, a_wl, tmp_path, "nopool", pool=str(tmp_path / "none.sock"),
-                      check=False)
+                      env={"KVSHM_CONNECT_TIMEOUT": "0.5"}, check=False)
     assert proc.returncode != 0 and "no coordinator listening" in proc.stderr
     assert pool_stats(pool)["num_requests"] == 0
 
@@ -202,3 +202,33 @@ def test_an_engine_rides_through_a_coordinator_restart(model_dir, tmp_path, pool
     assert [r["token_ids"] for r in shared["requests"]] == \
         [r["token_ids"] for r in alone["requests"]]
     assert pool_stats(pool)["num_requests"] == 0
+
+
+def readme_blocks(heading: str) -> list[tuple[str, str]]:
+    """The fenced code blocks (language, text) of a README section."""
+    import re
+    text = (REPO / "README.md").read_text()
+    start = text.index(f"## {heading}\n")
+    end = text.find("\n## ", start + 1)
+    section = text[start:end if end > 0 else None]
+    return re.findall(r"```(\w+)\n(.*?)```", section, re.S)
+
+
+def test_the_readme_s_vllm_commands_run_as_written(tmp_path):
+    """The section's engine.py and shell block, run from a directory that
+    looks like the repository (scripts, the vLLM environment)."""
+    (python, engine), (sh, commands) = readme_blocks("vLLM engines on one pool")
+    assert (python, sh) == ("python", "sh")
+    (tmp_path / "engine.py").write_text(engine)
+    for name in ("scripts", ".venv-vllm", "pyproject.toml", "kvshm"):
+        (tmp_path / name).symlink_to(REPO / name)
+    env = {k: v for k, v in os.environ.items() if k not in ("KVSHM_POOL", "PYTHONHASHSEED")}
+    before = kvshm_segments()
+    proc = subprocess.run(["bash", "-e", "-c", commands], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=2 * ENGINE_TIMEOUT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("generated")]
+    assert len(lines) == 2, proc.stdout
+    assert lines[0].endswith("cached tokens 0") and lines[1].endswith("cached tokens 288")
+    assert lines[0].split(" cached")[0] == lines[1].split(" cached")[0]   # same tokens
+    assert kvshm_segments() == before

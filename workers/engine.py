@@ -48,6 +48,9 @@ def check_supported(config: PoolConfig) -> None:
         raise UnsupportedModel("the CPU worker needs a pool with prefix caching on")
     if config.kv is None:
         raise UnsupportedModel("the pool has no kv shape, so no KV arena to compute into")
+    if config.kv.layout != "blocks":
+        raise UnsupportedModel(f"the pool's arena is laid out by {config.kv.layout} for vLLM "
+                               "engines; the CPU worker computes into a \"blocks\" arena")
 
 
 @dataclass

@@ -52,6 +52,13 @@ class _Wire:
         self.reader = p.FrameReader(limit=REPLY_LIMIT_BYTES)
         self.decoder = msgspec.msgpack.Decoder(p.ServerMessage)
         self._ready: list = []
+        self._timeout: float | None = sock.gettimeout()
+
+    def _set_timeout(self, timeout: float | None) -> None:
+        # NOTE: settimeout is a system call; the hot path (no timeout) makes none.
+        if timeout != self._timeout:
+            self.sock.settimeout(timeout)
+            self._timeout = timeout
 
     def send(self, frame: bytes) -> None:
         try:
@@ -68,9 +75,9 @@ class _Wire:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise RequestTimeout(f"no reply within {timeout}s")
-                self.sock.settimeout(left)
-            else:
-                self.sock.settimeout(None)
+                self._set_timeout(left)
+            elif self._timeout is not None:
+                self._set_timeout(None)
             try:
                 data = self.sock.recv(_RECV_BYTES)
             except socket.timeout:
@@ -80,7 +87,8 @@ class _Wire:
             if not data:
                 raise ConnectionLost("the coordinator closed the connection")
             try:
-                ready.extend(self.decoder.decode(body) for body in self.reader.feed(data))
+                for body in self.reader.feed(data):
+                    ready.append(self.decoder.decode(body))
             except (msgspec.DecodeError, IndexError) as e:
                 raise ProtocolError(f"unreadable reply from the coordinator: {e}") from None
             if self.reader.broken is not None:
@@ -103,6 +111,7 @@ def open_wire_sync(path, hello: p.Hello, timeout: float) -> tuple[_Wire, p.Welco
             raise ConnectionLost(f"no coordinator listening at {path}: {e.strerror}") from None
         except socket.timeout:
             raise RequestTimeout(f"connecting to {path} took over {timeout}s") from None
+        sock.settimeout(None)
         wire = _Wire(sock)
         wire.send(p.encode_frame(hello))
         try:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import time
 from typing import Protocol
 
 from kvshm.core.errors import ConfigError, PoolRefused
@@ -137,16 +138,27 @@ class PoolBinding:
 
     # -- shared pools: the coordinator, the engine's size and its KV tensors ------------
     def connect(self):
-        """The session with the coordinator (opened on first use)."""
+        """The session with the coordinator (opened on first use).  An engine
+        started beside its coordinator waits for it to listen, up to
+        KVSHM_CONNECT_TIMEOUT seconds (30)."""
         if self.client is None:
+            from kvshm.service.errors import ConnectionLost, RequestTimeout
             from kvshm.service.server import default_socket_path
             from kvshm.service.sync_client import connect_sync
             t = self.target
             path = t if ("/" in t or t.endswith(".sock")) else default_socket_path(t)
-            self.client = connect_sync(
-                path, hash_algorithm=None, tenant=os.environ.get("KVSHM_TENANT", ""),
-                node=int(os.environ.get("KVSHM_NODE", "-1")),
-                admin=os.environ.get("KVSHM_ADMIN") == "1")
+            deadline = time.monotonic() + float(os.environ.get("KVSHM_CONNECT_TIMEOUT", "30"))
+            while True:
+                try:
+                    self.client = connect_sync(
+                        path, hash_algorithm=None, tenant=os.environ.get("KVSHM_TENANT", ""),
+                        node=int(os.environ.get("KVSHM_NODE", "-1")),
+                        admin=os.environ.get("KVSHM_ADMIN") == "1")
+                    break
+                except (ConnectionLost, RequestTimeout):
+                    if time.monotonic() >= deadline:
+                        raise
+                    time.sleep(0.1)
             atexit.register(self.close)
             log.info("kvshm: engine %d on pool %s (session %d, %d blocks)", os.getpid(), path,
                      self.client.session_id, self.client.config.num_blocks)

@@ -101,6 +101,11 @@ def run(args) -> dict:
     t0 = time.perf_counter()
     llm = build_llm(args)
     startup = time.perf_counter() - t0
+    if args.ready_file:
+        Path(args.ready_file).touch()
+    if args.go_file:
+        while not os.path.exists(args.go_file):
+            time.sleep(0.005)
     results = []
     t1 = time.perf_counter()
     for i, phase in enumerate(workload["phases"]):
@@ -139,6 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--weight-seed", type=int, default=0)
     ap.add_argument("--weight-scale", type=float, default=0.08)
     ap.add_argument("--pause-file", help="wait for this file before each later phase")
+    ap.add_argument("--ready-file", help="touch this file once the engine is built")
+    ap.add_argument("--go-file", help="then wait for this file before the first phase")
     ap.add_argument("--phase-done", help="touch PREFIX.<phase> after each phase")
     args = ap.parse_args(argv)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")

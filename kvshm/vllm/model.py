@@ -119,11 +119,20 @@ def model_pool_config(directory: str | Path, *, kv_memory: int, block_size: int 
                    head_size=m.head_size, dtype=dt, layout="layers")).validate()
 
 
-def write_tiny_model(directory: str | Path) -> Path:
-    """Write the tiny Llama's config.json into `directory` (created)."""
+# A 4-layer Llama whose prefill costs something (about 17M parameters): the
+# benchmark's default, so that a prefix-cache hit saves measurable time.
+SMALL_LLAMA = {**TINY_LLAMA, "hidden_size": 512, "intermediate_size": 1536,
+               "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 4,
+               "head_dim": 64, "vocab_size": 4000}
+MODELS = {"tiny": TINY_LLAMA, "small": SMALL_LLAMA}
+
+
+def write_tiny_model(directory: str | Path, size: str = "tiny") -> Path:
+    """Write the config.json of the `size` ("tiny" or "small") Llama into
+    `directory` (created)."""
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
-    (d / "config.json").write_text(json.dumps(TINY_LLAMA, indent=1) + "\n")
+    (d / "config.json").write_text(json.dumps(MODELS[size], indent=1) + "\n")
     return d
 
 
@@ -133,8 +142,9 @@ def main(argv: list[str] | None = None) -> int:
                                  description="write a tiny Llama model directory "
                                  "(config only: load it with load_format='dummy')")
     ap.add_argument("directory")
+    ap.add_argument("--size", choices=sorted(MODELS), default="tiny")
     args = ap.parse_args(argv)
-    print(write_tiny_model(args.directory))
+    print(write_tiny_model(args.directory, args.size))
     return 0
 
 

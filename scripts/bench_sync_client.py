@@ -1,0 +1,220 @@
+#!/usr/bin/env python3
+"""Round trip of the synchronous client against a raw blocking-socket echo
+of the same frame, measured in one run.
+
+    .venv/bin/python scripts/bench_sync_client.py [--rounds N] [--json OUT]
+
+Three figures per frame, each the median (and p99) of `--rounds` round trips:
+- `echo`: a blocking client sends the frame's bytes to a blocking echo
+  server process and reads them back (the transport's floor); `uvloop_echo`
+  the same against an asyncio echo server on uvloop (the coordinator's
+  event loop, without its work);
+- `raw`: the same blocking client sends the frame to a coordinator and reads
+  the reply bytes (the coordinator's work, no client-side encode/decode);
+- `sync`: `SyncClient.request(msg)` to the coordinator (what vLLM engines
+  pay per call).
+The frames: `GetBlockIds` of a held request, and the Batch the plugin sends
+for a running request's allocation (Advance + AllocateSlots, freed again).
+Prints a table and writes JSON (default bench-results/sync_client.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from kvshm.core.specs import FullSpec, PoolConfig  # noqa: E402
+from kvshm.service import protocol as p  # noqa: E402
+from kvshm.service.process import CoordinatorProcess  # noqa: E402
+from kvshm.service.client import make_hello  # noqa: E402
+from kvshm.service.sync_client import connect_sync, open_wire_sync  # noqa: E402
+
+CONFIG = PoolConfig(num_blocks=4096, hash_block_size=16, max_model_len=4096,
+                    groups=(FullSpec(16),), max_num_seqs=64).validate()
+
+
+def _echo_server(path: str, ready) -> None:
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(path)
+    srv.listen(1)
+    ready.set()
+    conn, _ = srv.accept()
+    while True:
+        data = conn.recv(1 << 16)
+        if not data:
+            return
+        conn.sendall(data)
+
+
+def _uvloop_echo_server(path: str, ready) -> None:
+    import asyncio
+
+    import uvloop
+
+    class Echo(asyncio.Protocol):
+        def connection_made(self, transport):
+            self.transport = transport
+
+        def data_received(self, data):
+            self.transport.write(data)
+
+    async def main():
+        server = await asyncio.get_running_loop().create_unix_server(Echo, path)
+        ready.set()
+        async with server:
+            await server.serve_forever()
+
+    uvloop.run(main())
+
+
+def _read_frame(sock: socket.socket) -> None:
+    buf = sock.recv(1 << 16)
+    size = int.from_bytes(buf[:4], "little") + 4
+    while len(buf) < size:
+        buf += sock.recv(1 << 16)
+
+
+def _time(fn, rounds: int) -> dict:
+    for _ in range(min(200, rounds)):
+        fn()
+    samples = []
+    clock = time.perf_counter_ns
+    for _ in range(rounds):
+        t = clock()
+        fn()
+        samples.append(clock() - t)
+    samples.sort()
+    return {"p50_us": statistics.median(samples) / 1e3,
+            "p99_us": samples[int(0.99 * (len(samples) - 1))] / 1e3}
+
+
+class RawSession:
+    """Just enough of a client to set up the raw session's requests."""
+
+    def __init__(self, wire) -> None:
+        self.wire = wire
+
+    def _call(self, msg) -> None:
+        self.wire.send(p.encode_frame(msg))
+        reply = self.wire.receive(10)
+        if reply.__class__ is p.Error:
+            raise RuntimeError(reply.message)
+
+    def add_request(self, req, prompt):
+        self._call(p.AddRequest(req, prompt))
+
+    def allocate_slots(self, req, n):
+        self._call(p.AllocateSlots(req, n))
+
+    def advance(self, req, n):
+        self._call(p.Advance(req, n))
+
+
+def frames(client, tag: str) -> dict:
+    """The measured messages, on requests of `client` named after `tag`
+    (request ids are the pool's: each session needs its own)."""
+    held, run_ = f"held-{tag}", f"run-{tag}"
+    client.add_request(held, list(range(100)))
+    client.allocate_slots(held, 100)
+    client.add_request(run_, list(range(1000, 1100)))
+    client.allocate_slots(run_, 100)
+    client.advance(run_, 100)
+    # The same state each time: computed stays 100, one more slot is held.
+    step = p.Batch([p.Advance(run_, 100), p.AllocateSlots(run_, 1)])
+    return {"get_block_ids": p.GetBlockIds(held), "alloc_step": step}
+
+
+def run(rounds: int) -> dict:
+    out = {"rounds": rounds, "cpus": os.cpu_count(), "frames": {}}
+    with tempfile.TemporaryDirectory(prefix="kvshm-bench-") as d, \
+            CoordinatorProcess(CONFIG) as coord:
+        ctx = mp.get_context("fork")
+        servers, socks = [], {}
+        for key, target in (("echo", _echo_server), ("uvloop_echo", _uvloop_echo_server)):
+            path = os.path.join(d, f"{key}.sock")
+            ready = ctx.Event()
+            proc = ctx.Process(target=target, args=(path, ready), daemon=True)
+            proc.start()
+            ready.wait(10)
+            socks[key] = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            socks[key].connect(path)
+            servers.append(proc)
+        client = connect_sync(coord.socket, hash_algorithm=CONFIG.hash_algorithm,
+                              hash_seed=CONFIG.hash_seed)
+        raw, _ = open_wire_sync(coord.socket, make_hello(
+            coord.socket, hash_algorithm=CONFIG.hash_algorithm, hash_seed=CONFIG.hash_seed), 10)
+        msgs = frames(client, "sync")
+        raw_msgs = frames(RawSession(raw), "raw")
+        rsock = raw.sock
+        for name, msg in msgs.items():
+            frame = bytes(p.encode_frame(raw_msgs[name]))
+
+            def echo_rt(sock=socks["echo"]):
+                sock.sendall(frame)
+                _read_frame(sock)
+
+            def uv_rt(sock=socks["uvloop_echo"]):
+                sock.sendall(frame)
+                _read_frame(sock)
+
+            def raw_rt():
+                rsock.sendall(frame)
+                _read_frame(rsock)
+
+            def sync_rt():
+                client.request(msg)
+
+            row = {"frame_bytes": len(frame)}
+            # Interleave the three, three times, so drift hits all alike.
+            parts = {"echo": [], "uvloop_echo": [], "raw": [], "sync": []}
+            for _ in range(3):
+                for key, fn in (("echo", echo_rt), ("uvloop_echo", uv_rt), ("raw", raw_rt),
+                                ("sync", sync_rt)):
+                    parts[key].append(_time(fn, rounds // 3))
+            for key, runs in parts.items():
+                row[key] = {m: statistics.median(r[m] for r in runs) for m in runs[0]}
+            row["sync_vs_echo_p50"] = row["sync"]["p50_us"] / row["echo"]["p50_us"]
+            row["sync_vs_raw_p50"] = row["sync"]["p50_us"] / row["raw"]["p50_us"]
+            out["frames"][name] = row
+        client.close()
+        raw.close()
+        for sock in socks.values():
+            sock.close()
+        for proc in servers:
+            proc.kill()
+            proc.join(5)
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=6000)
+    ap.add_argument("--json", default="bench-results/sync_client.json")
+    args = ap.parse_args(argv)
+    res = run(args.rounds)
+    print(f"{'frame':<16}{'bytes':>6}{'echo p50':>10}{'uv echo':>9}{'raw p50':>10}"
+          f"{'sync p50':>10}{'sync p99':>10}{'sync/echo':>11}{'sync/raw':>10}   (microseconds)")
+    for name, r in res["frames"].items():
+        print(f"{name:<16}{r['frame_bytes']:>6}{r['echo']['p50_us']:>10.1f}"
+              f"{r['uvloop_echo']['p50_us']:>9.1f}"
+              f"{r['raw']['p50_us']:>10.1f}{r['sync']['p50_us']:>10.1f}"
+              f"{r['sync']['p99_us']:>10.1f}{r['sync_vs_echo_p50']:>10.2f}x"
+              f"{r['sync_vs_raw_p50']:>9.2f}x")
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(res, indent=1))
+    print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

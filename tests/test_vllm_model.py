@@ -1,0 +1,155 @@
+"""Pools for vLLM engines, without vLLM: model directories, the "layers"
+arena layout, vLLM-hashed pool configs and `kvshm serve --vllm-model`."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from kvshm.arena import ArenaLayout
+from kvshm.core.errors import ConfigError, SegmentError
+from kvshm.core.specs import FullSpec, KVShape, PoolConfig, SlidingWindowSpec
+from kvshm.vllm.model import (
+    SMALL_LLAMA,
+    TINY_LLAMA,
+    model_pool_config,
+    read_model,
+    write_tiny_model,
+)
+from workers.engine import UnsupportedModel, check_supported
+
+
+def model(tmp_path, **changes):
+    d = tmp_path / "m"
+    d.mkdir(exist_ok=True)
+    (d / "config.json").write_text(json.dumps({**TINY_LLAMA, **changes}))
+    return d
+
+
+def test_the_tiny_model_as_vllm_sees_it(tmp_path):
+    m = read_model(write_tiny_model(tmp_path / "t"))
+    assert (m.num_layers, m.num_kv_heads, m.head_size, m.dtype) == (2, 2, 64, "bfloat16")
+    assert m.max_model_len == 4096 and m.sliding_window is None
+    assert read_model(write_tiny_model(tmp_path / "s", "small")).num_layers == \
+        SMALL_LLAMA["num_hidden_layers"]
+
+
+def test_dtype_auto_and_defaults(tmp_path):
+    assert read_model(model(tmp_path, torch_dtype="float32")).dtype == "bfloat16"
+    assert read_model(model(tmp_path, torch_dtype="float16")).dtype == "float16"
+    no_kv = {k: v for k, v in TINY_LLAMA.items() if k not in ("num_key_value_heads", "head_dim")}
+    d = tmp_path / "n"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(no_kv))
+    m = read_model(d)
+    assert m.num_kv_heads == 4 and m.head_size == 256 // 4
+
+
+def test_a_pool_for_a_model(tmp_path):
+    c = model_pool_config(model(tmp_path), kv_memory=8 << 20, block_size=32, max_model_len=2048)
+    per_block = 2 * 2 * 32 * 2 * 64 * 2
+    assert c.num_blocks == (8 << 20) // per_block and c.kv_block_bytes == per_block
+    assert c.groups == (FullSpec(32),) and c.kv.layout == "layers"
+    assert (c.hash_algorithm, c.hash_seed) == ("vllm-sha256", "0")
+    w = model_pool_config(model(tmp_path, sliding_window=256), kv_memory=8 << 20,
+                          block_size=32, dtype="float32")
+    assert w.groups == (SlidingWindowSpec(32, 256),) and w.kv.dtype == "float32"
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"num_hidden_layers": 0}, "num_hidden_layers must be a positive integer"),
+    ({"num_attention_heads": "x"}, "num_attention_heads must be a positive integer"),
+    ({"torch_dtype": "int8"}, "unsupported torch_dtype"),
+    ({"layer_types": ["full_attention", "sliding_attention"]}, "mix attention types"),
+])
+def test_models_kvshm_cannot_size_are_refused(tmp_path, changes, message):
+    with pytest.raises(ConfigError, match=message):
+        read_model(model(tmp_path, **changes))
+
+
+def test_unreadable_model_directories(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read"):
+        read_model(tmp_path / "nowhere")
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ConfigError, match="is not JSON"):
+        read_model(tmp_path)
+
+
+def test_pool_sizes_and_dtypes_that_do_not_work(tmp_path):
+    with pytest.raises(ConfigError, match="at least 2 are needed"):
+        model_pool_config(model(tmp_path), kv_memory=1000, block_size=32)
+    with pytest.raises(ConfigError, match="must be auto, float32"):
+        model_pool_config(model(tmp_path), kv_memory=8 << 20, dtype="int4")
+
+
+def test_vllm_hash_seeds_must_be_valid_pythonhashseeds():
+    base = dict(num_blocks=8, hash_block_size=4, max_model_len=64, groups=(FullSpec(4),),
+                hash_algorithm="vllm-sha256")
+    assert PoolConfig(**base, hash_seed="4294967295").validate()
+    for bad in ("kvshm-0", "-1", "4294967296", "", "١"):
+        with pytest.raises(ConfigError, match="PYTHONHASHSEED"):
+            PoolConfig(**base, hash_seed=bad).validate()
+    assert PoolConfig(**{**base, "hash_algorithm": "sha256"}, hash_seed="kvshm-0").validate()
+
+
+def test_the_layers_layout(tmp_path):
+    kv = KVShape(num_layers=3, num_kv_heads=2, head_size=8, dtype="float32", layout="layers")
+    c = PoolConfig(num_blocks=10, hash_block_size=4, max_model_len=64, groups=(FullSpec(4),),
+                   kv=kv).validate()
+    lay = ArenaLayout(c)
+    assert lay.shape == (3, 2, 10, 2, 4, 8)
+    offsets = [lay.layer_region(i) for i in range(3)]
+    assert [s for _, s in offsets] == [2 * 10 * 2 * 4 * 8 * 4] * 3
+    assert offsets[1][0] - offsets[0][0] == offsets[0][1]
+    assert offsets[2][0] + offsets[2][1] == lay.size
+    with pytest.raises(SegmentError, match="not in"):
+        lay.layer_region(3)
+    blocks = ArenaLayout(c.replace(kv=KVShape(num_layers=3, num_kv_heads=2, head_size=8)))
+    with pytest.raises(SegmentError, match="laid out by blocks"):
+        blocks.layer_region(0)
+    with pytest.raises(UnsupportedModel, match="laid out by layers"):
+        check_supported(c)
+    with pytest.raises(ConfigError, match="kv.layout"):
+        c.replace(kv=KVShape(num_layers=1, num_kv_heads=1, head_size=8, layout="rows")).validate()
+
+
+def test_the_default_layout_keeps_config_encodings_and_fingerprints():
+    kv = KVShape(num_layers=1, num_kv_heads=1, head_size=8)
+    assert b"layout" not in PoolConfig(num_blocks=8, hash_block_size=4, max_model_len=64,
+                                       groups=(FullSpec(4),), kv=kv).to_json()
+
+
+def kvshm(*args, timeout=60):
+    return subprocess.run([sys.executable, "-m", "kvshm", *args], capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--preset", "tiny", "--block-size", "32"], "--block-size go with --vllm-model"),
+    (["--preset", "tiny", "--dtype", "float32", "--max-model-len", "9"],
+     "--dtype, --max-model-len go with --vllm-model"),
+    (["--vllm-model", "/nonexistent"], "cannot read /nonexistent/config.json"),
+    (["--preset", "tiny", "--hash-algorithm", "vllm-sha256"], "PYTHONHASHSEED"),
+])
+def test_serve_refuses_bad_vllm_flags(args, message, sockdir):
+    r = kvshm("serve", *args, "--socket", str(sockdir / "s.sock"), "--name", "kvshm-t-bad")
+    assert r.returncode == 2 and message in r.stderr, r.stderr
+
+
+def test_serve_a_pool_for_a_vllm_model(tmp_path, sockdir):
+    d = write_tiny_model(tmp_path / "tiny")
+    proc = subprocess.Popen([sys.executable, "-m", "kvshm", "serve", "--vllm-model", str(d),
+                             "--block-size", "32", "--kv-memory", "4M", "--name",
+                             f"kvshm-t-{sockdir.name[-8:]}", "--socket",
+                             str(sockdir / "s.sock")], stdout=subprocess.PIPE, text=True)
+    try:
+        lines = [proc.stdout.readline() for _ in range(3)]
+        assert "hash vllm-sha256" in lines[0] and "128 blocks" in lines[0]
+        assert "layers layout" in lines[1] and lines[2].startswith("ready")
+    finally:
+        proc.terminate()
+        proc.wait(10)
+        proc.stdout.close()
