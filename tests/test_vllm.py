@@ -232,3 +232,60 @@ def test_the_readme_s_vllm_commands_run_as_written(tmp_path):
     assert lines[0].endswith("cached tokens 0") and lines[1].endswith("cached tokens 288")
     assert lines[0].split(" cached")[0] == lines[1].split(" cached")[0]   # same tokens
     assert kvshm_segments() == before
+
+
+VLLM_SIDE = r'''
+import json, os, types
+import torch
+from vllm.v1 import kv_cache_interface as vi
+from kvshm.core.errors import ConfigError, PoolRefused
+from kvshm.vllm.binding import PoolBinding
+from kvshm.vllm.specs import group_spec, pool_hash_algorithm
+
+def attn(cls, **kw):
+    return cls(block_size=16, num_kv_heads=2, head_size=8, dtype=torch.bfloat16, **kw)
+
+out = {"specs": [repr(group_spec(s)) for s in (
+    attn(vi.FullAttentionSpec), attn(vi.MLAAttentionSpec), attn(vi.SinkFullAttentionSpec, sink_len=32),
+    attn(vi.SlidingWindowSpec, sliding_window=64),
+    attn(vi.ChunkedLocalAttentionSpec, attention_chunk_size=128), attn(vi.CrossAttentionSpec),
+    vi.MambaSpec(block_size=16, shapes=((2, 3),), dtypes=(torch.float32,)))]}
+try:
+    pool_hash_algorithm("xxhash")
+except ConfigError as e:
+    out["xxhash"] = str(e)
+cfg = lambda algo: types.SimpleNamespace(cache_config=types.SimpleNamespace(
+    prefix_caching_hash_algo=algo))
+b = PoolBinding("embedded")
+for name, args in (("engine_xxhash", (cfg("xxhash"), None, None)),
+                   ("kvshm_pool", (cfg("sha256"), "sha256", "kvshm-0")),
+                   ("cbor_pool", (cfg("sha256"), "vllm-sha256-cbor", "0"))):
+    try:
+        b.engine_hashing(*args)
+    except PoolRefused as e:
+        out[name] = str(e)
+os.environ.pop("PYTHONHASHSEED", None)
+out["given_seed"] = b.engine_hashing(cfg("sha256_cbor"), "vllm-sha256-cbor", "42")
+out["env_seed"] = os.environ["PYTHONHASHSEED"]
+print(json.dumps(out))
+'''
+
+
+def test_vllm_specs_and_hashing_refusals_inside_vllm():
+    env = {k: v for k, v in os.environ.items() if k not in ("KVSHM_POOL", "PYTHONHASHSEED")}
+    proc = subprocess.run([str(VLLM_PYTHON), "-c", VLLM_SIDE], capture_output=True, text=True,
+                          env=env, timeout=ENGINE_TIMEOUT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["specs"] == [
+        "FullSpec(block_size=16)", "MLASpec(block_size=16)",
+        "SinkFullSpec(block_size=16, sink_len=32)",
+        "SlidingWindowSpec(block_size=16, sliding_window=64)",
+        "ChunkedLocalSpec(block_size=16, attention_chunk_size=128)",
+        "CrossAttentionSpec(block_size=16)",
+        "MambaSpec(block_size=16, num_speculative_blocks=0)"]
+    assert "not 'xxhash'" in out["xxhash"]
+    assert "kvshm reproduces vLLM's 'sha256' and 'sha256_cbor'" in out["engine_xxhash"]
+    assert "serve the pool with --hash-algorithm vllm-sha256" in out["kvshm_pool"]
+    assert "prefix_caching_hash_algo='sha256_cbor'" in out["cbor_pool"]
+    assert out["given_seed"] == ["vllm-sha256-cbor", "42"] and out["env_seed"] == "42"
