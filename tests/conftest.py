@@ -24,6 +24,18 @@ def no_leaked_segments():
 
 
 @pytest.fixture
+def pool_name():
+    """A fresh pool name; its segments (pool and arena) are removed after
+    the test, whatever it left."""
+    from kvshm.core.segment import remove_segment, segment_info
+    name = f"kvshm-test-{secrets.token_hex(5)}"
+    yield name
+    for n in (name, f"{name}.kv"):
+        if segment_info(n) is not None:
+            remove_segment(n, force=True)
+
+
+@pytest.fixture
 def sockdir():
     """A short private directory for sockets (tmp_path can exceed the 108-byte
     limit of a Unix socket path)."""

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import secrets
 import subprocess
 import sys
 
@@ -17,7 +16,7 @@ import pytest
 
 from helpers import make_config, tokens, until
 from kvshm.core.check import check_segment
-from kvshm.core.segment import PoolSegment, remove_segment, segment_info
+from kvshm.core.segment import PoolSegment, segment_info
 from kvshm.service import protocol as p
 from kvshm.service.client import connect, open_wire
 from kvshm.service.errors import ConnectionLost, Forbidden
@@ -48,15 +47,6 @@ def _serve(config, name: str, sock, *extra, timeout=30) -> subprocess.CompletedP
     return subprocess.run([sys.executable, "-m", "kvshm", "serve", "--config", str(path),
                            "--name", name, "--socket", str(sock), "--quiet", *extra],
                           capture_output=True, text=True, timeout=timeout)
-
-
-@pytest.fixture
-def pool_name():
-    name = f"kvshm-test-{secrets.token_hex(5)}"
-    yield name
-    for n in (name, f"{name}.kv"):
-        if segment_info(n) is not None:
-            remove_segment(n, force=True)
 
 
 async def test_sigkill_of_the_coordinator_is_a_pause(pool_name):

@@ -5,7 +5,6 @@ coordinator restart."""
 from __future__ import annotations
 
 import os
-import secrets
 import socket
 import threading
 
@@ -13,7 +12,7 @@ import pytest
 
 from helpers import make_config, tokens
 from kvshm.core.errors import InvalidArgument, UnknownRequest
-from kvshm.core.segment import remove_segment, segment_info
+from kvshm.core.segment import remove_segment
 from kvshm.service import protocol as p
 from kvshm.service.errors import (
     ConnectionClosed,
@@ -28,15 +27,6 @@ from kvshm.service.sync_client import connect_sync
 
 CFG = make_config(num_blocks=32, max_num_seqs=16)
 FAST = Reconnect(initial_delay=0.01, max_delay=0.1, timeout=20.0)
-
-
-@pytest.fixture
-def pool_name():
-    name = f"kvshm-test-{secrets.token_hex(5)}"
-    yield name
-    for n in (name, f"{name}.kv"):
-        if segment_info(n) is not None:
-            remove_segment(n, force=True)
 
 
 @pytest.fixture

@@ -204,17 +204,7 @@ class Client(SessionInfo):
         """Run `ops` in one frame, atomically with respect to other sessions.
         Returns their replies; if one failed, raises its error with
         `.results` (the replies before it) and `.index` set."""
-        reply = await self.request(p.Batch(list(ops)), timeout)
-        if reply.__class__ is p.Error:
-            raise error_from_wire(reply.code, reply.message)
-        results = reply.results
-        if results and results[-1].__class__ is p.Error:
-            last = results[-1]
-            err = error_from_wire(last.code, last.message)
-            err.results = results[:-1]
-            err.index = len(results) - 1
-            raise err
-        return results
+        return batch_results(await self.request(p.Batch(list(ops)), timeout))
 
     async def request(self, msg: msgspec.Struct, timeout: float | None = None):
         """Send one message and return its reply struct as it is (an `Error`
@@ -478,6 +468,22 @@ async def connect(path: str | os.PathLike, *, tenant: str = "", node: int = -1,
     wire, welcome = await open_wire(path, hello, timeout)
     return Client(path, hello, wire, welcome,
                   (reconnect or Reconnect()) if resume else None)
+
+
+def batch_results(reply) -> list:
+    """The replies of a Batch frame.  Raises the error of a refused frame,
+    or of the op that failed (with `.results`, the replies before it, and
+    `.index` set)."""
+    if reply.__class__ is p.Error:
+        raise error_from_wire(reply.code, reply.message)
+    results = reply.results
+    if results and results[-1].__class__ is p.Error:
+        last = results[-1]
+        err = error_from_wire(last.code, last.message)
+        err.results = results[:-1]
+        err.index = len(results) - 1
+        raise err
+    return results
 
 
 def make_hello(path, *, tenant: str = "", node: int = -1, token: str | None = None,

@@ -28,7 +28,7 @@ import msgspec
 
 from kvshm.core.errors import KvshmError
 from kvshm.service import protocol as p
-from kvshm.service.client import SessionInfo, make_hello
+from kvshm.service.client import REPLY_LIMIT_BYTES, SessionInfo, batch_results, make_hello
 from kvshm.service.errors import (
     ConnectionClosed,
     ConnectionLost,
@@ -40,7 +40,6 @@ from kvshm.service.errors import (
 )
 from kvshm.service.resume import Reconnect, RequestMirror
 
-REPLY_LIMIT_BYTES = 2**30
 _RECV_BYTES = 1 << 16
 
 
@@ -174,15 +173,7 @@ class SyncClient(SessionInfo):
         """Run `ops` in one frame, atomically with respect to other sessions.
         Returns their replies; if one failed, raises its error with
         `.results` (the replies before it) and `.index` set."""
-        reply = self.call(p.Batch(list(ops)), timeout)
-        results = reply.results
-        if results and results[-1].__class__ is p.Error:
-            last = results[-1]
-            err = error_from_wire(last.code, last.message)
-            err.results = results[:-1]
-            err.index = len(results) - 1
-            raise err
-        return results
+        return batch_results(self.request(p.Batch(list(ops)), timeout))
 
     def request(self, msg: msgspec.Struct, timeout: float | None = None):
         """Send one message and return its reply struct as it is (an `Error`
