@@ -36,11 +36,9 @@ def model_dir(tmp_path_factory) -> Path:
     return write_tiny_model(tmp_path_factory.mktemp("model") / "tiny-llama")
 
 
-def run_engine(model: Path, workload: dict, tmp: Path, name: str, *, pool: str | None,
-               extra: tuple[str, ...] = (), env: dict | None = None,
-               check: bool = True) -> dict | subprocess.CompletedProcess:
-    """Run one engine process on `workload`; its report (or, with
-    check=False, the finished process)."""
+def start_engine(model: Path, workload: dict, tmp: Path, name: str, *, pool: str | None,
+                 extra: tuple[str, ...] = (), env: dict | None = None):
+    """Start one engine process on `workload`; finish it with `finish()`."""
     wl = tmp / f"{name}.workload.json"
     wl.write_text(json.dumps(workload))
     out = tmp / f"{name}.json"
@@ -50,13 +48,33 @@ def run_engine(model: Path, workload: dict, tmp: Path, name: str, *, pool: str |
     if pool is not None:
         e["KVSHM_POOL"] = pool
     e.update(env or {})
-    proc = subprocess.run([str(VLLM_PYTHON), "-m", "kvshm.vllm.engine", str(model), str(wl),
-                           "--out", str(out), *extra], env=e, capture_output=True, text=True,
-                          timeout=ENGINE_TIMEOUT)
+    proc = subprocess.Popen([str(VLLM_PYTHON), "-m", "kvshm.vllm.engine", str(model), str(wl),
+                             "--out", str(out), *extra], env=e, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    proc.report_path = out
+    return proc
+
+
+def finish(proc, check: bool = True):
+    """The engine's report (or, with check=False, the finished process with
+    its `stderr`)."""
+    try:
+        _, proc.stderr_text = proc.communicate(timeout=ENGINE_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        _, proc.stderr_text = proc.communicate()
+        raise
     if not check:
         return proc
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(out.read_text())
+    assert proc.returncode == 0, proc.stderr_text[-4000:]
+    return json.loads(proc.report_path.read_text())
+
+
+def run_engine(model: Path, workload: dict, tmp: Path, name: str, *, pool: str | None,
+               extra: tuple[str, ...] = (), env: dict | None = None, check: bool = True):
+    """Run one engine process to its end (see `finish`)."""
+    return finish(start_engine(model, workload, tmp, name, pool=pool, extra=extra, env=env),
+                  check)
 
 
 def outputs(report: dict) -> dict[str, tuple[list[int], int]]:
@@ -69,8 +87,10 @@ def test_embedded_pool_generates_what_vllm_s_own_manager_does(model_dir, tmp_pat
     workload = shared_prefix_workload()
     before = kvshm_segments()
     args = ("--num-blocks", "24")
-    own = run_engine(model_dir, workload, tmp_path, "own", pool=None, extra=args)
-    emb = run_engine(model_dir, workload, tmp_path, "embedded", pool="embedded", extra=args)
+    own = start_engine(model_dir, workload, tmp_path, "own", pool=None, extra=args)
+    emb = finish(start_engine(model_dir, workload, tmp_path, "embedded", pool="embedded",
+                              extra=args))
+    own = finish(own)
     assert own["manager"] == "vllm.v1.core.kv_cache_manager.KVCacheManager"
     assert emb["manager"] == "kvshm.vllm.manager.PoolKVCacheManager"
     assert len(own["requests"]) == 16
@@ -122,9 +142,10 @@ def pool_stats(proc) -> dict:
 
 def test_engines_share_the_pool_the_prefix_cache_and_the_kv_bytes(model_dir, tmp_path, pool):
     a_wl, b_wl = prefix_workloads()
-    alone = run_engine(model_dir, b_wl, tmp_path, "alone", pool=None)
+    alone = start_engine(model_dir, b_wl, tmp_path, "alone", pool=None)
     a = run_engine(model_dir, a_wl, tmp_path, "a", pool=str(pool.socket))
     b = run_engine(model_dir, b_wl, tmp_path, "b", pool=str(pool.socket))
+    alone = finish(alone)
     assert a["manager"] == b["manager"] == "kvshm.vllm.manager.PoolKVCacheManager"
     # B's first request hits the 6 full blocks A computed (another process).
     first = b["requests"][0]
@@ -142,8 +163,9 @@ def test_a_corrupted_block_in_the_arena_changes_what_another_engine_generates(
     from kvshm.arena import KVArena, arena_name
     from kvshm.core.segment import FLAG_CACHED, PoolSegment
     a_wl, b_wl = prefix_workloads(n_b=1)
-    alone = run_engine(model_dir, b_wl, tmp_path, "alone", pool=None)
+    alone = start_engine(model_dir, b_wl, tmp_path, "alone", pool=None)
     run_engine(model_dir, a_wl, tmp_path, "a", pool=str(pool.socket))
+    alone = finish(alone)
     seg_stats = pool_stats(pool)
     assert seg_stats["num_cached_blocks"] == 6
     seg = PoolSegment.attach(pool.name)
@@ -163,18 +185,18 @@ def test_a_corrupted_block_in_the_arena_changes_what_another_engine_generates(
 
 def test_an_engine_that_does_not_fit_the_pool_is_refused(model_dir, tmp_path, pool):
     a_wl, _ = prefix_workloads()
-    proc = run_engine(model_dir, a_wl, tmp_path, "bs16", pool=str(pool.socket),
-                      extra=("--block-size", "16"), check=False)
-    assert proc.returncode != 0
-    assert "does not fit the kvshm pool" in proc.stderr
-    assert "block_size: pool 32, engine 16" in proc.stderr
-    proc = run_engine(model_dir, a_wl, tmp_path, "seed", pool=str(pool.socket),
-                      env={"PYTHONHASHSEED": "7"}, check=False)
-    assert proc.returncode != 0
-    assert "PYTHONHASHSEED is '7', the pool's hash seed '0'" in proc.stderr
-    proc = run_engine(model_dir, a_wl, tmp_path, "nopool", pool=str(tmp_path / "none.sock"),
-                      env={"KVSHM_CONNECT_TIMEOUT": "0.5"}, check=False)
-    assert proc.returncode != 0 and "no coordinator listening" in proc.stderr
+    runs = [start_engine(model_dir, a_wl, tmp_path, name, pool=target, extra=extra, env=env)
+            for name, target, extra, env in (
+                ("bs16", str(pool.socket), ("--block-size", "16"), None),
+                ("seed", str(pool.socket), (), {"PYTHONHASHSEED": "7"}),
+                ("nopool", str(tmp_path / "none.sock"), (), {"KVSHM_CONNECT_TIMEOUT": "0.5"}))]
+    bs16, seed, nopool = (finish(p, check=False) for p in runs)
+    assert bs16.returncode != 0
+    assert "does not fit the kvshm pool" in bs16.stderr_text
+    assert "block_size: pool 32, engine 16" in bs16.stderr_text
+    assert seed.returncode != 0
+    assert "PYTHONHASHSEED is '7', the pool's hash seed '0'" in seed.stderr_text
+    assert nopool.returncode != 0 and "no coordinator listening" in nopool.stderr_text
     assert pool_stats(pool)["num_requests"] == 0
 
 
@@ -182,7 +204,7 @@ def test_an_engine_rides_through_a_coordinator_restart(model_dir, tmp_path, pool
     import threading
     import time
     wl = shared_prefix_workload(seed=9, num_requests=12, phases=3)
-    alone = run_engine(model_dir, wl, tmp_path, "alone", pool=None)
+    alone = start_engine(model_dir, wl, tmp_path, "alone", pool=None)
     marker = tmp_path / "phase"
 
     def kill_mid_run():
@@ -198,6 +220,7 @@ def test_an_engine_rides_through_a_coordinator_restart(model_dir, tmp_path, pool
     shared = run_engine(model_dir, wl, tmp_path, "shared", pool=str(pool.socket),
                         extra=("--phase-done", str(marker)))
     t.join()
+    alone = finish(alone)
     assert pool.restarts == 1
     assert [r["token_ids"] for r in shared["requests"]] == \
         [r["token_ids"] for r in alone["requests"]]
