@@ -6,7 +6,7 @@ EXPECTED = {
     "BlockHasher", "CheckReport", "ChunkedLocalSpec", "ConfigError", "CrossAttentionSpec",
     "DuplicateRequest", "FullSpec", "InvalidArgument", "KVCacheManager", "KVShape",
     "KvshmError",
-    "MLASpec", "MambaSpec", "NoFreeBlocks", "PoolConfig", "PoolSegment", "Request",
+    "MLASpec", "MambaSpec", "NoFreeBlocks", "PoolConfig", "PoolRefused", "PoolSegment", "Request",
     "RequestTableFull", "RequestTooLong", "SegmentError", "ShmSpaceError", "SinkFullSpec",
     "SlidingWindowSpec", "UnknownRequest", "check_segment", "hash_fingerprint",
 }

@@ -15,18 +15,19 @@ from __future__ import annotations
 import logging
 
 from kvshm.core.errors import StaleHits
+from kvshm.core.hashing import HASH_SLOT_BYTES
 from kvshm.core.segment import FLAG_CACHED, PoolSegment
-from kvshm.core.specs import FullSpec, MLASpec, PoolConfig, SinkFullSpec, CrossAttentionSpec
+from kvshm.core.specs import CrossAttentionSpec, FullSpec, MLASpec, PoolConfig
 from kvshm.service import protocol as p
 from kvshm.service.errors import Forbidden
 from kvshm.service.sync_client import SyncClient
 
 log = logging.getLogger("kvshm.vllm")
 
-# Groups whose block lists only grow (no window drops blocks): the backend
-# keeps a request's block ids itself instead of asking for them.
-_GROWING = (FullSpec, MLASpec, SinkFullSpec, CrossAttentionSpec)
-_HASH_SLOT = 32
+# Groups whose block list is exactly the hits plus what each allocation
+# added (no window drops blocks, no sink blocks): the backend keeps a
+# request's block ids itself instead of asking for them.
+_GROWING = (FullSpec, MLASpec, CrossAttentionSpec)
 
 
 class _Sent:
@@ -66,8 +67,8 @@ class RemoteBackend:
     def block_hash(self, block_id: int) -> bytes | None:
         if not self._flags[block_id] & FLAG_CACHED:
             return None
-        off = block_id * _HASH_SLOT
-        return bytes(self._hashes[off:off + _HASH_SLOT])
+        off = block_id * HASH_SLOT_BYTES
+        return bytes(self._hashes[off:off + HASH_SLOT_BYTES])
 
     # -- bringing a request up to date --------------------------------------------------
     def _sync(self, request) -> list:
