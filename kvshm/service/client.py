@@ -486,6 +486,15 @@ def batch_results(reply) -> list:
     return results
 
 
+def check_welcome(reply) -> p.Welcome:
+    """The handshake's answer as a Welcome; a refusal raises its error."""
+    if reply.__class__ is p.Error:
+        raise error_from_wire(reply.code, reply.message)
+    if reply.__class__ is not p.Welcome:
+        raise ProtocolError(f"expected Welcome, got {type(reply).__name__}")
+    return reply
+
+
 def make_hello(path, *, tenant: str = "", node: int = -1, token: str | None = None,
                admin: bool = False, admin_token: str | None = None,
                hash_algorithm: str | None = "sha256", hash_seed: str = "kvshm-0") -> p.Hello:
@@ -514,13 +523,9 @@ async def open_wire(path, hello: p.Hello, timeout: float) -> tuple[_Wire, p.Welc
         wire.handshake = loop.create_future()
         wire.transport.write(p.encode_frame(hello))
         try:
-            welcome = await asyncio.wait_for(wire.handshake, timeout)
+            welcome = check_welcome(await asyncio.wait_for(wire.handshake, timeout))
         except asyncio.TimeoutError:
             raise RequestTimeout(f"no Welcome from {path} within {timeout}s") from None
-        if welcome.__class__ is p.Error:
-            raise error_from_wire(welcome.code, welcome.message)
-        if welcome.__class__ is not p.Welcome:
-            raise ProtocolError(f"expected Welcome, got {type(welcome).__name__}")
     except BaseException:
         wire.transport.close()
         raise

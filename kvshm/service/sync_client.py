@@ -28,7 +28,13 @@ import msgspec
 
 from kvshm.core.errors import KvshmError
 from kvshm.service import protocol as p
-from kvshm.service.client import REPLY_LIMIT_BYTES, SessionInfo, batch_results, make_hello
+from kvshm.service.client import (
+    REPLY_LIMIT_BYTES,
+    SessionInfo,
+    batch_results,
+    check_welcome,
+    make_hello,
+)
 from kvshm.service.errors import (
     ConnectionClosed,
     ConnectionLost,
@@ -114,13 +120,9 @@ def open_wire_sync(path, hello: p.Hello, timeout: float) -> tuple[_Wire, p.Welco
         wire = _Wire(sock)
         wire.send(p.encode_frame(hello))
         try:
-            welcome = wire.receive(timeout)
+            welcome = check_welcome(wire.receive(timeout))
         except RequestTimeout:
             raise RequestTimeout(f"no Welcome from {path} within {timeout}s") from None
-        if welcome.__class__ is p.Error:
-            raise error_from_wire(welcome.code, welcome.message)
-        if welcome.__class__ is not p.Welcome:
-            raise ProtocolError(f"expected Welcome, got {type(welcome).__name__}")
     except BaseException:
         sock.close()
         raise
