@@ -11,13 +11,13 @@ The public API, re-exported here (pinned by tests/test_public_api.py):
 - the error classes
 """
 
-from kvshm.core.block_pool import NoFreeBlocks
 from kvshm.core.check import CheckReport, check_segment
 from kvshm.core.errors import (
     ConfigError,
     DuplicateRequest,
     InvalidArgument,
     KvshmError,
+    NoFreeBlocks,
     PoolRefused,
     RequestTableFull,
     RequestTooLong,

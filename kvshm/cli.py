@@ -432,6 +432,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if (sys.argv[1:] if argv is None else argv)[:1] == ["serve"]:
+        # A coordinator: a stop signal from now on stops it cleanly once up.
+        from kvshm.service.process import defer_stop_signals
+        defer_stop_signals()
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args)

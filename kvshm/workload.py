@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 from kvshm.core.manager import KVCacheManager
 from kvshm.service import protocol as p
-from kvshm.service.errors import error_from_wire
+from kvshm.service.errors import raise_reply
 from kvshm.service.ops import OpExecutor
 
 
@@ -226,7 +226,7 @@ class EmbeddedBackend:
         """Execute one protocol op; its reply (an error reply raises it)."""
         reply = self.executor.execute(self.owner, op)
         if reply.__class__ is p.Error:
-            raise error_from_wire(reply.code, reply.message)
+            raise_reply(reply)
         return reply
 
     def add(self, seq: Seq) -> None:

@@ -37,7 +37,7 @@ from kvshm.service.sessions import SessionTable
 
 CFG = make_config(groups=(FullSpec(4), SlidingWindowSpec(4, 8)), num_blocks=96,
                   max_num_seqs=16)
-FAST = Reconnect(initial_delay=0.01, max_delay=0.2, timeout=30)
+FAST = Reconnect(initial_delay=0.01, max_delay=0.05, timeout=30)
 # The ops (handlers) a crash is armed in: every op that writes the segment
 # (AddRequest and Advance only touch the coordinator's memory); _free covers
 # preemption too, close_owner the end of a session, execute_frame what a
@@ -166,7 +166,7 @@ def _run_case(spec: CrashSpec | None, body) -> tuple[list, bool]:
         env[ENV] = str(spec)
     try:
         with CoordinatorProcess(CFG, name=name, env=env,
-                                extra_args=("--resume-grace", "0.3")) as proc:
+                                extra_args=("--resume-grace", "1")) as proc:
             res, crashed = asyncio.run(_drive(proc, lambda c, d: body(c, d, name)))
             seg = PoolSegment.attach(name)
             try:

@@ -276,3 +276,20 @@ async def test_restoring_a_request_with_other_tokens_is_refused(pool_name):
             wire.transport.close()
         await c.close()
         await until(lambda: _check(pool_name).num_requests == 0, timeout=5)
+
+
+@pytest.mark.parametrize("delay", [0.2, 0.4, 0.7])
+def test_sigterm_while_adopting_still_stops_cleanly(pool_name, delay):
+    """A coordinator told to stop while it starts (here: while it adopts a
+    dead coordinator's pool) finishes starting, then stops cleanly: exit 0,
+    its segments removed.  (kvshm run stops a coordinator it may have just
+    restarted.)"""
+    import signal
+    import time
+    with CoordinatorProcess(CFG, name=pool_name) as proc:
+        proc.kill()
+        proc.restart(wait=False)
+        time.sleep(delay)
+        proc.proc.send_signal(signal.SIGTERM)
+        assert proc.proc.wait(20) == 0, proc.stderr
+    assert segment_info(pool_name) is None and segment_info(f"{pool_name}.kv") is None

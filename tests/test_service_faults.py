@@ -341,6 +341,57 @@ def test_error_codes_map_to_exception_classes():
     assert type(err) is KvshmError and err.code == "SOMETHING_NEW"
 
 
+def test_error_fields_survive_the_wire_format():
+    from kvshm.core.errors import (ConfigError, DuplicateRequest, NoFreeBlocks,
+                                   RequestTableFull, RequestTooLong, ShmSpaceError,
+                                   UnknownRequest)
+    from kvshm.service import errors as e
+    from kvshm.service.ops import error_reply
+    decoder = msgspec.msgpack.Decoder(p.ServerMessage)
+    for err, want in [
+            (UnknownRequest("r1"), {"request_id": "r1"}),
+            (DuplicateRequest("r2"), {"request_id": "r2"}),
+            (RequestTooLong(1, 40, 32), {"group": 1, "needed": 40, "capacity": 32}),
+            (RequestTableFull(16), {"capacity": 16}),
+            (NoFreeBlocks(12, 3), {"requested": 12, "available": 3}),
+            (ShmSpaceError(10, 5, "/dev/shm"), {"needed": 10, "available": 5,
+                                                "path": "/dev/shm"}),
+            (ConfigError("num_blocks", "must be positive"),
+             {"field": "num_blocks", "rule": "must be positive"}),
+            (e.FrameTooLarge(9000, 8192), {"size": 9000, "limit": 8192}),
+            (e.SocketInUse("/tmp/s.sock"), {"path": "/tmp/s.sock"}),
+            (e.PoolInUse("pool", 42), {"name": "pool", "pid": 42})]:
+        reply = decoder.decode(p.encode_frame(error_reply(None, err))[4:])
+        got = e.error_from_wire(reply.code, reply.message, reply.fields)
+        assert type(got) is type(err) and str(got) == str(err)
+        assert {f: getattr(got, f) for f in type(err).fields} == want
+    # An older peer that sends no fields: the attributes exist, as None.
+    got = e.error_from_wire("UNKNOWN_REQUEST", "unknown request 'x'")
+    assert got.request_id is None
+
+
+def test_no_free_blocks_is_not_a_bad_argument():
+    from kvshm.core.errors import InvalidArgument, NoFreeBlocks
+    assert not issubclass(NoFreeBlocks, InvalidArgument)
+    from kvshm.service import protocol, errors
+    assert protocol.FrameTooLarge is errors.FrameTooLarge
+
+
+async def test_clients_get_the_fields_of_a_coordinator_s_errors(populated):
+    from kvshm.core.errors import DuplicateRequest, UnknownRequest
+    from kvshm.service.errors import NotOwner
+    coord, holder = populated
+    async with await connect(coord.socket_path) as c:
+        with pytest.raises(UnknownRequest) as ei:
+            await c.get_block_ids("nobody")
+        assert ei.value.request_id == "nobody"
+        with pytest.raises(DuplicateRequest) as ei:
+            await c.add_request("held", tokens(0, 4))
+        assert ei.value.request_id == "held"
+        with pytest.raises(NotOwner):
+            await c.free("held")
+
+
 async def test_client_raises_typed_errors_and_stays_usable(populated):
     from kvshm.core.errors import InvalidArgument, UnknownRequest
     from kvshm.service.errors import BatchTooLarge, NotOwner, ProtocolError

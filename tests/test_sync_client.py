@@ -62,8 +62,9 @@ def test_the_scheduler_operations(proc):
 
 def test_errors_are_typed_and_change_nothing(proc):
     with client(proc) as c:
-        with pytest.raises(UnknownRequest):
+        with pytest.raises(UnknownRequest) as ei:
             c.get_block_ids("nobody")
+        assert ei.value.request_id == "nobody"
         c.add_request("a", tokens(0, 10))
         with pytest.raises(InvalidArgument, match="num_new_tokens"):
             c.allocate_slots("a", 0)
@@ -81,6 +82,21 @@ def test_batch_is_one_round_trip(proc):
         replies = c.batch([p.AddRequest("a", tokens(0, 10)), p.GetComputedBlocks("a"),
                            p.AllocateSlots("a", 10)])
         assert [type(r).__name__ for r in replies] == ["Done", "ComputedBlocks", "Allocated"]
+
+
+def test_a_second_coordinator_on_the_socket_or_the_pool_is_refused(proc, sockdir):
+    import subprocess
+    import sys
+    cfg = sockdir / "c.json"
+    cfg.write_bytes(CFG.to_json())
+    for args, message in (
+            (["--name", "kvshm-t-other", "--socket", str(proc.socket)],
+             f"another coordinator listens on {proc.socket}"),
+            (["--name", proc.name, "--socket", str(sockdir / "s.sock")],
+             f"pool {proc.name!r} is served by live process {proc.proc.pid}")):
+        r = subprocess.run([sys.executable, "-m", "kvshm", "serve", "--config", str(cfg), *args],
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 2 and message in r.stderr, r.stderr
 
 
 def test_refused_handshakes(proc):

@@ -18,7 +18,7 @@ from __future__ import annotations
 from array import array
 from collections.abc import Iterable, Sequence
 
-from kvshm.core.errors import InvalidArgument
+from kvshm.core.errors import InvalidArgument, NoFreeBlocks
 from kvshm.core.hashing import HASH_SLOT_BYTES, digest_size
 from kvshm.core.segment import (
     FLAG_CACHED,
@@ -32,17 +32,6 @@ from kvshm.core.segment import (
 
 NULL_BLOCK = 0
 _H = HASH_SLOT_BYTES
-
-
-class NoFreeBlocks(InvalidArgument):
-    """More blocks were requested from the pool than are free."""
-
-    code = "NO_FREE_BLOCKS"
-
-    def __init__(self, requested: int, available: int) -> None:
-        super().__init__(f"requested {requested} blocks, {available} free")
-        self.requested = requested
-        self.available = available
 
 
 class BlockPool:

@@ -9,15 +9,28 @@ from __future__ import annotations
 
 
 class KvshmError(Exception):
-    """Base class of every error kvshm raises on purpose."""
+    """Base class of every error kvshm raises on purpose.
+
+    `fields` names the attributes (ints and strings) that travel with the
+    error on the wire, so that the client's copy has them too."""
 
     code = "ERROR"
+    fields: tuple[str, ...] = ()
+
+    def wire_fields(self) -> dict[str, int | str]:
+        """This error's `fields` and their values."""
+        return {f: getattr(self, f) for f in self.fields}
 
     @classmethod
-    def from_message(cls, message: str) -> "KvshmError":
-        """Rebuild an error from its wire form (code -> class, message)."""
+    def from_message(cls, message: str,
+                     fields: dict[str, int | str] | None = None) -> "KvshmError":
+        """Rebuild an error from its wire form (code -> class, message, the
+        values of its `fields`; a field the sender did not give is None)."""
         err = cls.__new__(cls)
         Exception.__init__(err, message)
+        given = fields or {}
+        for f in cls.fields:
+            setattr(err, f, given.get(f))
         return err
 
 
@@ -25,6 +38,7 @@ class ConfigError(KvshmError, ValueError):
     """A pool config breaks a rule; `field` names the offending field."""
 
     code = "BAD_CONFIG"
+    fields = ("field", "rule")
 
     def __init__(self, field: str, rule: str) -> None:
         super().__init__(f"{field}: {rule}")
@@ -42,6 +56,7 @@ class UnknownRequest(KvshmError, KeyError):
     """An operation names a request id that does not exist."""
 
     code = "UNKNOWN_REQUEST"
+    fields = ("request_id",)
 
     def __init__(self, request_id: str) -> None:
         super().__init__(f"unknown request {request_id!r}")
@@ -55,6 +70,7 @@ class DuplicateRequest(KvshmError, ValueError):
     """A request id is added twice."""
 
     code = "DUPLICATE_REQUEST"
+    fields = ("request_id",)
 
     def __init__(self, request_id: str) -> None:
         super().__init__(f"request {request_id!r} already exists")
@@ -72,6 +88,7 @@ class RequestTableFull(KvshmError):
     """No free request slot in the shared-memory request table."""
 
     code = "TABLE_FULL"
+    fields = ("capacity",)
 
     def __init__(self, capacity: int) -> None:
         super().__init__(
@@ -85,6 +102,7 @@ class RequestTooLong(KvshmError, ValueError):
     """A request would hold more blocks than its request-table row can."""
 
     code = "REQUEST_TOO_LONG"
+    fields = ("group", "needed", "capacity")
 
     def __init__(self, group: int, needed: int, capacity: int) -> None:
         super().__init__(
@@ -106,6 +124,7 @@ class ShmSpaceError(KvshmError):
     """Not enough free space in /dev/shm for a segment."""
 
     code = "NO_SHM_SPACE"
+    fields = ("needed", "available", "path")
 
     def __init__(self, needed: int, available: int, path: str) -> None:
         super().__init__(
@@ -115,6 +134,19 @@ class ShmSpaceError(KvshmError):
             "or lower num_blocks / --kv-memory / max_num_seqs"
         )
         self.needed = needed
+        self.available = available
+        self.path = path
+
+
+class NoFreeBlocks(KvshmError):
+    """More blocks were requested from the pool than are free."""
+
+    code = "NO_FREE_BLOCKS"
+    fields = ("requested", "available")
+
+    def __init__(self, requested: int, available: int) -> None:
+        super().__init__(f"requested {requested} blocks, {available} free")
+        self.requested = requested
         self.available = available
 
 

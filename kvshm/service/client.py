@@ -29,11 +29,13 @@ from kvshm.service.errors import (
     ConnectionClosed,
     ConnectionLost,
     Forbidden,
+    FrameTooLarge,
     ProtocolError,
     ReplyLost,
     RequestTimeout,
     ResumeFailed,
     error_from_wire,
+    raise_reply,
 )
 from kvshm.service.resume import Reconnect, RequestMirror
 
@@ -72,7 +74,7 @@ class _Wire(asyncio.Protocol):
                     self.on_reply(msg)
             if self.reader.broken is not None:
                 raise self.reader.broken
-        except (p.FrameTooLarge, msgspec.DecodeError, IndexError) as e:
+        except (FrameTooLarge, msgspec.DecodeError, IndexError) as e:
             self.fail(ProtocolError(f"unreadable reply from the coordinator: {e}"))
             self.transport.close()
 
@@ -197,7 +199,7 @@ class Client(SessionInfo):
         """Send one message, return its reply struct (Error replies raise)."""
         reply = await self.request(msg, timeout)
         if reply.__class__ is p.Error:
-            raise error_from_wire(reply.code, reply.message)
+            raise_reply(reply)
         return reply
 
     async def batch(self, ops: Sequence[msgspec.Struct], timeout: float | None = None) -> list:
@@ -356,7 +358,7 @@ class Client(SessionInfo):
         for r in results:
             if r.__class__ is p.Error:
                 raise error_from_wire(r.code, "restoring requests after a coordinator "
-                                      f"restart: {r.message}")
+                                      f"restart: {r.message}", r.fields)
 
     def _give_up_pending(self, err: Exception) -> None:
         while self._pending:
@@ -475,11 +477,11 @@ def batch_results(reply) -> list:
     or of the op that failed (with `.results`, the replies before it, and
     `.index` set)."""
     if reply.__class__ is p.Error:
-        raise error_from_wire(reply.code, reply.message)
+        raise_reply(reply)
     results = reply.results
     if results and results[-1].__class__ is p.Error:
         last = results[-1]
-        err = error_from_wire(last.code, last.message)
+        err = error_from_wire(last.code, last.message, last.fields)
         err.results = results[:-1]
         err.index = len(results) - 1
         raise err
@@ -489,7 +491,7 @@ def batch_results(reply) -> list:
 def check_welcome(reply) -> p.Welcome:
     """The handshake's answer as a Welcome; a refusal raises its error."""
     if reply.__class__ is p.Error:
-        raise error_from_wire(reply.code, reply.message)
+        raise_reply(reply)
     if reply.__class__ is not p.Welcome:
         raise ProtocolError(f"expected Welcome, got {type(reply).__name__}")
     return reply

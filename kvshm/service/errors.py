@@ -3,12 +3,12 @@ to its exception class on the client."""
 
 from __future__ import annotations
 
-from kvshm.core.block_pool import NoFreeBlocks
 from kvshm.core.errors import (
     ConfigError,
     DuplicateRequest,
     InvalidArgument,
     KvshmError,
+    NoFreeBlocks,
     RequestTableFull,
     RequestTooLong,
     SegmentError,
@@ -26,9 +26,16 @@ class ProtocolError(KvshmError):
 
 
 class FrameTooLarge(ProtocolError):
-    """A frame over the size limit; the coordinator closes the connection."""
+    """A frame over the size limit; the coordinator closes the connection
+    (the stream cannot be resynchronised after it)."""
 
     code = "FRAME_TOO_LARGE"
+    fields = ("size", "limit")
+
+    def __init__(self, size: int, limit: int) -> None:
+        super().__init__(f"frame of {size} bytes exceeds the limit of {limit}")
+        self.size = size
+        self.limit = limit
 
 
 class BatchTooLarge(ProtocolError):
@@ -89,6 +96,29 @@ class InternalError(KvshmError):
     code = "INTERNAL"
 
 
+class SocketInUse(KvshmError):
+    """Another coordinator already answers on the socket path."""
+
+    code = "SOCKET_IN_USE"
+    fields = ("path",)
+
+    def __init__(self, path: str) -> None:
+        super().__init__(f"another coordinator listens on {path}")
+        self.path = path
+
+
+class PoolInUse(KvshmError):
+    """The pool is served by a live process (its coordinator)."""
+
+    code = "POOL_IN_USE"
+    fields = ("name", "pid")
+
+    def __init__(self, name: str, pid: int) -> None:
+        super().__init__(f"pool {name!r} is served by live process {pid}")
+        self.name = name
+        self.pid = pid
+
+
 class ConnectionClosed(KvshmError):
     """This client closed the connection (or never opened it)."""
 
@@ -113,14 +143,21 @@ ERROR_CLASSES: dict[str, type[KvshmError]] = {cls.code: cls for cls in (
     RequestTableFull, RequestTooLong, SegmentError, ShmSpaceError, NoFreeBlocks,
     ProtocolError, FrameTooLarge, BatchTooLarge, HandshakeRequired, HandshakeError,
     VersionMismatch, HashMismatch, Forbidden, NotOwner, InternalError, ResumeFailed,
-    ReplyLost,
+    ReplyLost, SocketInUse, PoolInUse,
 )}
 
 
-def error_from_wire(code: str, message: str) -> KvshmError:
-    """The exception for an Error reply (unknown codes map to KvshmError)."""
+def error_from_wire(code: str, message: str,
+                    fields: dict[str, int | str] | None = None) -> KvshmError:
+    """The exception for an Error reply, with the values of its class's
+    `fields` (unknown codes map to KvshmError)."""
     cls = ERROR_CLASSES.get(code, KvshmError)
-    err = cls.from_message(message)
+    err = cls.from_message(message, fields)
     if cls is KvshmError:
         err.code = code
     return err
+
+
+def raise_reply(reply) -> None:
+    """Raise the exception of an `Error` reply (`protocol.Error`)."""
+    raise error_from_wire(reply.code, reply.message, reply.fields)

@@ -478,7 +478,7 @@ def _need_admin(owner: Owner, what: str) -> None:
 def error_reply(op, e: Exception) -> p.Error:
     """The `Error` reply for exception `e` raised by `op`."""
     if isinstance(e, KvshmError):
-        return p.Error(e.code, str(e))
+        return p.Error(e.code, str(e), e.wire_fields())
     # A bug: report it, keep serving the others.
     log.exception("internal error on %r", op)
     return p.Error(InternalError.code, f"{type(e).__name__}: {e}")

@@ -27,6 +27,21 @@ def die_with_parent() -> None:
         pass
 
 
+_early_stop: list[int] = []
+
+
+def defer_stop_signals() -> None:
+    """Until `serve()` installs its own handlers, remember SIGINT/SIGTERM
+    instead of dying of them (call first thing in a coordinator process)."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda signum, frame: _early_stop.append(signum))
+
+
+def early_stop_requested() -> bool:
+    """Whether a stop signal arrived before `serve()` could handle it."""
+    return bool(_early_stop)
+
+
 class CoordinatorProcess:
     """A `kvshm serve` child process on a private socket; a context manager
     that stops it (SIGTERM) and waits for it.  `new_session` keeps it out of

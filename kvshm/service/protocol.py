@@ -13,7 +13,10 @@ from typing import Union
 
 import msgspec
 
-PROTOCOL_VERSION = 3   # 2: Welcome.arena_segment, Admit; 3: admin and resumable sessions
+from kvshm.service.errors import FrameTooLarge
+
+PROTOCOL_VERSION = 4   # 2: Welcome.arena_segment, Admit; 3: admin and resumable sessions;
+                       # 4: Error.fields
 MAX_FRAME_BYTES = 8 * 2**20
 MAX_BATCH_OPS = 4096
 _LEN = 4
@@ -221,6 +224,7 @@ class Stats(_Op, tag="stats"):
 class Error(_Op, tag="error"):
     code: str
     message: str
+    fields: dict[str, Union[int, str]] = {}   # the error class's `fields` (errors.py)
 
 
 class Shutdown(_Op, tag="shutdown"):
@@ -246,13 +250,6 @@ ServerMessage = Union[Welcome, BatchReply, Done, ComputedBlocks, Allocated, Admi
 
 
 # -- framing --------------------------------------------------------------------------
-class FrameTooLarge(Exception):
-    def __init__(self, size: int, limit: int) -> None:
-        super().__init__(f"frame of {size} bytes exceeds the limit of {limit}")
-        self.size = size
-        self.limit = limit
-
-
 _encoder = msgspec.msgpack.Encoder()
 
 

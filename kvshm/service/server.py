@@ -23,21 +23,23 @@ from pathlib import Path
 
 import msgspec
 
-from kvshm.core.errors import InvalidArgument
+from kvshm.core.errors import InvalidArgument, KvshmError
 from kvshm.core.hashing import hash_fingerprint
 from kvshm.core.specs import PoolConfig
 from kvshm.service import protocol as p
 from kvshm.service.errors import (
     Forbidden,
-    FrameTooLarge,
     HandshakeRequired,
     HashMismatch,
+    PoolInUse,
     ProtocolError,
     ResumeFailed,
+    SocketInUse,
     VersionMismatch,
 )
 from kvshm.service.adoption import adopt_pool, create_pool
 from kvshm.service.ops import OpExecutor, Owner
+from kvshm.service.process import early_stop_requested
 from kvshm.service.sessions import DEFAULT_RESUME_GRACE
 
 log = logging.getLogger("kvshm.coordinator")
@@ -106,15 +108,15 @@ class Session(asyncio.Protocol):
                 return
             self._reply(handle(self, bodies.popleft()))
         if not bodies and self.reader.broken is not None and not self.transport.is_closing():
-            self._fatal(FrameTooLarge.code, str(self.reader.broken))
+            self._fatal(self.reader.broken)
 
     # -- helpers -----------------------------------------------------------------------
     def _reply(self, frame: bytes | bytearray | None) -> None:
         if frame is not None:
             self.transport.write(frame)
 
-    def _fatal(self, code: str, message: str) -> None:
-        self._reply(p.encode_frame(p.Error(code, message)))
+    def _fatal(self, err: KvshmError) -> None:
+        self._reply(p.encode_frame(p.Error(err.code, str(err), err.wire_fields())))
         self.transport.close()
 
 
@@ -186,7 +188,7 @@ class Coordinator:
             if not stat.S_ISSOCK(path.lstat().st_mode):
                 raise InvalidArgument(f"{path} exists and is not a socket")
             if _socket_answers(path):
-                raise InvalidArgument(f"another coordinator listens on {path}")
+                raise SocketInUse(str(path))
             path.unlink()  # a stale socket of a dead coordinator
         old_umask = os.umask(0o177)
         try:
@@ -370,8 +372,8 @@ async def serve(config: PoolConfig, *, name: str, socket_path: str | Path,
     """Run a coordinator until SIGINT/SIGTERM, then shut down cleanly.
 
     A pool of a dead coordinator under `name` is adopted (`fresh`: discarded
-    first, with its arena); a live one's is refused.  Raises InvalidArgument
-    and SegmentError (refusals) before serving."""
+    first, with its arena); a live one's is refused.  Raises PoolInUse,
+    SocketInUse, InvalidArgument and SegmentError (refusals) before serving."""
     import gc
     import signal
 
@@ -383,7 +385,7 @@ async def serve(config: PoolConfig, *, name: str, socket_path: str | Path,
 
     info = segment_info(name)
     if info is not None and info["alive"]:
-        raise InvalidArgument(f"pool {name!r} is served by live process {info['pid']}")
+        raise PoolInUse(name, info["pid"])
     if fresh and (info is not None or segment_info(arena_name(name)) is not None):
         for removed in remove_pool(name):
             log.warning("--fresh: removed segment %s", removed)
@@ -394,21 +396,31 @@ async def serve(config: PoolConfig, *, name: str, socket_path: str | Path,
             remove_pool(name)
             log.warning("removed the KV arena %s of a dead coordinator (its pool was gone)",
                         arena_name(name))
+    # NOTE: the handlers go in before the pool is adopted or created, so a
+    # SIGTERM during start-up stops the coordinator cleanly once it is up
+    # (segments removed), instead of killing it with its pool half-owned.
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    if early_stop_requested():
+        stop.set()
     crash = install_from_env({**core_classes(), "OpExecutor": OpExecutor,
                               "SessionTable": SessionTable, "Session": Session,
                               "Coordinator": Coordinator})
     if crash is not None:
         log.warning("fault injection: this coordinator exits at %s", crash)
-    coord = Coordinator(config, name=name, socket_path=socket_path, token=token,
-                        admin_token=admin_token, allow_other_uids=allow_other_uids,
-                        adopt=info is not None, resume_grace=resume_grace)
+    try:
+        coord = Coordinator(config, name=name, socket_path=socket_path, token=token,
+                            admin_token=admin_token, allow_other_uids=allow_other_uids,
+                            adopt=info is not None, resume_grace=resume_grace)
+    except BaseException:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+        raise
     if coord.adoption is not None:
         for line in coord.adoption.lines():
             log.warning("pool %s: %s", name, line)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
     try:
         await coord.start()
         gc.collect()

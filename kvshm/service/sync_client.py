@@ -43,6 +43,7 @@ from kvshm.service.errors import (
     RequestTimeout,
     ResumeFailed,
     error_from_wire,
+    raise_reply,
 )
 from kvshm.service.resume import Reconnect, RequestMirror
 
@@ -168,7 +169,7 @@ class SyncClient(SessionInfo):
         """Send one message, return its reply struct (Error replies raise)."""
         reply = self.request(msg, timeout)
         if reply.__class__ is p.Error:
-            raise error_from_wire(reply.code, reply.message)
+            raise_reply(reply)
         return reply
 
     def batch(self, ops: Sequence[msgspec.Struct], timeout: float | None = None) -> list:
@@ -286,7 +287,8 @@ class SyncClient(SessionInfo):
             for r in (reply.results if reply.__class__ is p.BatchReply else (reply,)):
                 if r.__class__ is p.Error:
                     self._give_up(error_from_wire(
-                        r.code, f"restoring requests after a coordinator restart: {r.message}"))
+                        r.code, f"restoring requests after a coordinator restart: {r.message}",
+                        r.fields))
                     raise self._lost
         self.restarts.append((lost_at, time.monotonic()))
         return welcome
