@@ -194,7 +194,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from kvshm.workload import WorkloadSpec, run_workload
 
     config = PoolConfig(num_blocks=args.num_blocks, hash_block_size=16, max_model_len=4096,
-                        groups=(FullSpec(16),), max_num_seqs=256).validate()
+                        groups=(FullSpec(16),), max_num_seqs=256)
     spec = WorkloadSpec(num_requests=args.requests, seed=args.seed)
     print(f"kvshm demo (embedded mode): one pool of {config.num_blocks} blocks x 16 tokens, "
           f"full attention, max_model_len {config.max_model_len}")
@@ -224,48 +224,15 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def _preset_names() -> list[str]:
-    from kvshm.service.presets import PRESETS
+    from kvshm.config import PRESETS
     return list(PRESETS)
 
 
-DEFAULT_VLLM_KV_MEMORY = "1G"
-
-
 def cmd_serve(args: argparse.Namespace) -> int:
-    from kvshm.core.specs import PoolConfig
-    from kvshm.service.presets import blocks_for_memory, parse_size, preset_config
+    from kvshm.config import PoolSource, resolve_config
     from kvshm.service.server import default_socket_path, run_async, serve
 
-    vllm_only = [f for f, v in (("--block-size", args.block_size), ("--dtype", args.dtype),
-                                ("--max-model-len", args.max_model_len)) if v is not None]
-    if vllm_only and not args.vllm_model:
-        print(f"kvshm serve: {', '.join(vllm_only)} go with --vllm-model", file=sys.stderr)
-        return 2
-    if args.vllm_model:
-        from kvshm.vllm.model import VLLM_CPU_BLOCK_SIZE, model_pool_config
-        config = model_pool_config(
-            args.vllm_model, kv_memory=parse_size(args.kv_memory or DEFAULT_VLLM_KV_MEMORY),
-            block_size=args.block_size or VLLM_CPU_BLOCK_SIZE, dtype=args.dtype or "auto",
-            max_model_len=args.max_model_len)
-        if args.num_blocks:
-            config = config.replace(num_blocks=args.num_blocks).validate()
-    elif args.preset:
-        config = preset_config(args.preset, num_blocks=args.num_blocks,
-                               kv_memory=parse_size(args.kv_memory) if args.kv_memory else None)
-    else:
-        overrides = {"num_blocks": args.num_blocks} if args.num_blocks else {}
-        config = PoolConfig.from_file(args.config, **overrides)
-        if args.kv_memory:
-            if config.kv is None:
-                print("kvshm serve: --kv-memory needs a KV shape ([kv] in the config, or "
-                      "--preset); use --num-blocks", file=sys.stderr)
-                return 2
-            config = config.replace(num_blocks=blocks_for_memory(
-                config.kv_block_bytes, parse_size(args.kv_memory))).validate()
-    hashing = {k: v for k, v in (("hash_algorithm", args.hash_algorithm),
-                                 ("hash_seed", args.hash_seed)) if v is not None}
-    if hashing:
-        config = config.replace(**hashing).validate()
+    config = resolve_config(PoolSource.from_args(args))
     tokens = {}
     for flag, path in (("token", args.token_file), ("admin_token", args.admin_token_file)):
         if path:
@@ -368,7 +335,8 @@ def build_parser() -> argparse.ArgumentParser:
                      "attention tensors, vLLM's sha256 block hashes (docs/vllm.md)")
     p.add_argument("--block-size", type=int,
                    help="with --vllm-model: tokens per block (vLLM's CPU default, 128)")
-    p.add_argument("--dtype", choices=("auto", "float32", "float16", "bfloat16"),
+    from kvshm.core.specs import KV_DTYPES
+    p.add_argument("--dtype", choices=("auto", *KV_DTYPES),
                    help="with --vllm-model: the KV dtype (auto: as vLLM picks it)")
     p.add_argument("--max-model-len", type=int,
                    help="with --vllm-model: longest request (default: the model's)")
@@ -380,8 +348,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "algorithms the engines' PYTHONHASHSEED)")
     size = p.add_mutually_exclusive_group()
     size.add_argument("--num-blocks", type=int, help="pool size in blocks")
+    from kvshm.config import DEFAULT_KV_MEMORY
     size.add_argument("--kv-memory",
-                      help="KV memory budget (e.g. 4G) -> blocks (needs a KV shape)")
+                      help="KV memory budget (e.g. 4G) -> blocks (needs a KV shape; a "
+                      f"preset or --vllm-model without a size gets {DEFAULT_KV_MEMORY})")
     p.add_argument("--name", default="kvshm", help="pool name: segment and socket names")
     p.add_argument("--socket", help="socket path (default: per-user runtime dir)")
     p.add_argument("--token-file", help="clients must present this file's content")

@@ -52,7 +52,7 @@ def trace_pool_config(cfg: dict[str, Any], ops: list[dict[str, Any]]) -> PoolCon
     config = PoolConfig.from_dict(cfg, max_num_seqs=max(1, num_requests))
     if any(isinstance(g, CrossAttentionSpec) for g in config.groups):
         enc = max((op.get("num_encoder_tokens", 0) for op in ops), default=0)
-        config = config.replace(max_encoder_len=max(enc, config.max_model_len)).validate()
+        config = config.replace(max_encoder_len=max(enc, config.max_model_len))
     return config
 
 

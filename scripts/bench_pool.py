@@ -53,7 +53,7 @@ print(json.dumps({"seconds": t, "bytes_per_block": size / n}))
 
 def config(n: int) -> PoolConfig:
     return PoolConfig(num_blocks=n, hash_block_size=16, max_model_len=4096,
-                      groups=(FullSpec(16),), max_num_seqs=256).validate()
+                      groups=(FullSpec(16),), max_num_seqs=256)
 
 
 def measure(n: int, runs: int) -> dict:

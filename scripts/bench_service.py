@@ -769,10 +769,10 @@ def bench_rss(config: PoolConfig, rec: Recording, total_ops: int, every: int,
 # =============================================================================
 def pool_config(args) -> PoolConfig:
     if args.preset:
-        from kvshm.service.presets import preset_config
+        from kvshm.config import preset_config
         return preset_config(args.preset, num_blocks=args.num_blocks)
     return PoolConfig(num_blocks=args.num_blocks, hash_block_size=16, max_model_len=4096,
-                      groups=(FullSpec(16),)).validate()
+                      groups=(FullSpec(16),))
 
 
 def _busy_cpu() -> tuple[float, float, float]:

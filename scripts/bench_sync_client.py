@@ -40,7 +40,7 @@ from kvshm.service.client import make_hello  # noqa: E402
 from kvshm.service.sync_client import connect_sync, open_wire_sync  # noqa: E402
 
 CONFIG = PoolConfig(num_blocks=4096, hash_block_size=16, max_model_len=4096,
-                    groups=(FullSpec(16),), max_num_seqs=64).validate()
+                    groups=(FullSpec(16),), max_num_seqs=64)
 
 
 def _echo_server(path: str, ready) -> None:

@@ -15,7 +15,7 @@ def make_config(groups=(FullSpec(4),), num_blocks: int = 10, **changes) -> PoolC
     base = dict(num_blocks=num_blocks, hash_block_size=4, max_model_len=64,
                 groups=tuple(groups))
     base.update(changes)
-    return PoolConfig(**base).validate()
+    return PoolConfig(**base)
 
 
 def tokens(start: int, stop: int) -> list[int]:

@@ -40,7 +40,7 @@ def full_config(**kw) -> PoolConfig:
     base = dict(num_blocks=N, hash_block_size=4, max_model_len=64, groups=(FullSpec(4),),
                 max_num_seqs=4)
     base.update(kw)
-    return PoolConfig(**base).validate()
+    return PoolConfig(**base)
 
 
 def busy(m: KVCacheManager) -> dict[str, Request]:
@@ -277,7 +277,7 @@ def test_cached_without_a_cache_stamp(m):
 
 def test_cached_hash_under_the_wrong_group():
     cfg = PoolConfig(num_blocks=40, hash_block_size=4, max_model_len=64, max_num_seqs=4,
-                     groups=(FullSpec(4), SlidingWindowSpec(4, sliding_window=8))).validate()
+                     groups=(FullSpec(4), SlidingWindowSpec(4, sliding_window=8)))
     with KVCacheManager(cfg) as mgr:
         r = Request("a", list(range(18)), mgr.make_hasher())
         new = mgr.allocate_slots(r, 18)
@@ -292,7 +292,7 @@ def test_cached_hash_under_the_wrong_group():
 
 def test_block_referenced_from_two_groups():
     cfg = PoolConfig(num_blocks=40, hash_block_size=4, max_model_len=64, max_num_seqs=4,
-                     groups=(FullSpec(4), SlidingWindowSpec(4, sliding_window=8))).validate()
+                     groups=(FullSpec(4), SlidingWindowSpec(4, sliding_window=8)))
     with KVCacheManager(cfg) as mgr:
         h = mgr.make_hasher()
         a = Request("a", list(range(10)), h)

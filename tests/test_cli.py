@@ -68,7 +68,7 @@ def test_replay_of_a_directory(tmp_path, capsys):
 
 def test_check_clean_and_broken(capsys):
     cfg = PoolConfig(num_blocks=8, hash_block_size=4, max_model_len=32,
-                     groups=(FullSpec(4),)).validate()
+                     groups=(FullSpec(4),))
     with KVCacheManager(cfg, name="kvshm-test-cli-check") as m:
         m.allocate_slots(Request("a", list(range(9)), m.make_hasher()), 9)
         assert main(["check", "kvshm-test-cli-check"]) == 0

@@ -41,7 +41,7 @@ def config(**changes) -> PoolConfig:
 
 def field_of(changes: dict) -> str:
     with pytest.raises(ConfigError) as e:
-        config(**changes).validate()
+        config(**changes)
     assert str(e.value).startswith(e.value.field + ": ")
     return e.value.field
 
@@ -50,7 +50,7 @@ def field_of(changes: dict) -> str:
 
 
 def test_the_base_config_is_valid():
-    cfg = config().validate()
+    cfg = config()
     assert cfg.num_blocks == 10
     assert cfg.enable_caching is True
     assert cfg.max_num_seqs == 1024
@@ -94,29 +94,29 @@ def test_sink_len_must_be_a_multiple_of_the_dcp_scaled_block_size():
     """With dcp 2 a 4-token block is 8 tokens: sink_len 4 is not a multiple."""
     assert field_of(dict(groups=(SinkFullSpec(4, 4),), hash_block_size=8,
                          dcp_world_size=2)) == "groups[0].sink_len"
-    cfg = config(groups=(SinkFullSpec(4, 16),), hash_block_size=8, dcp_world_size=2).validate()
+    cfg = config(groups=(SinkFullSpec(4, 16),), hash_block_size=8, dcp_world_size=2)
     assert cfg.num_sink_blocks == 2
 
 
 def test_sink_blocks_must_leave_room_in_the_pool():
     """num_blocks must exceed the null block plus every sink block."""
     assert field_of(dict(num_blocks=3, groups=(SinkFullSpec(4, 8),))) == "num_blocks"
-    assert config(num_blocks=4, groups=(SinkFullSpec(4, 8),)).validate().num_sink_blocks == 2
+    assert config(num_blocks=4, groups=(SinkFullSpec(4, 8),)).num_sink_blocks == 2
 
 
 def test_unitary_hash_block_size_must_equal_block_size_times_dcp():
     """One group with caching on: hash_block_size == block_size * dcp."""
     assert field_of(dict(groups=(FullSpec(8),))) == "hash_block_size"
     assert field_of(dict(dcp_world_size=2)) == "hash_block_size"
-    config(hash_block_size=8, dcp_world_size=2).validate()
+    config(hash_block_size=8, dcp_world_size=2)
     # Caching off: no hashes, no constraint.
-    config(groups=(FullSpec(8),), enable_caching=False).validate()
+    config(groups=(FullSpec(8),), enable_caching=False)
 
 
 def test_hybrid_block_sizes_must_be_multiples_of_hash_block_size():
     assert field_of(dict(groups=(FullSpec(4), SlidingWindowSpec(6, 8)))) == "groups[1].block_size"
     assert field_of(dict(groups=(FullSpec(2), MLASpec(4)))) == "groups[0].block_size"
-    config(groups=(FullSpec(4), SlidingWindowSpec(8, 16))).validate()
+    config(groups=(FullSpec(4), SlidingWindowSpec(8, 16)))
 
 
 def test_hybrid_needs_dcp_world_size_1():
@@ -131,15 +131,15 @@ def test_windowed_types_do_not_support_dcp(spec):
 def test_several_identical_groups_need_caching_off():
     """With caching on, identical groups alone make no hybrid model."""
     assert field_of(dict(groups=(FullSpec(4), FullSpec(4)))) == "groups"
-    config(groups=(FullSpec(4), FullSpec(4)), enable_caching=False).validate()
+    config(groups=(FullSpec(4), FullSpec(4)), enable_caching=False)
     # Identical groups next to a distinct spec are fine (looked up together).
-    config(groups=(FullSpec(4), FullSpec(4), SlidingWindowSpec(4, 8))).validate()
+    config(groups=(FullSpec(4), FullSpec(4), SlidingWindowSpec(4, 8)))
 
 
 def test_cross_attention_needs_caching_off():
     assert field_of(dict(groups=(FullSpec(4), CrossAttentionSpec(4)))) == "groups[1].type"
     cfg = config(groups=(FullSpec(4), CrossAttentionSpec(4)), enable_caching=False,
-                 max_encoder_len=100).validate()
+                 max_encoder_len=100)
     assert cfg.encoder_len == 100
 
 
@@ -149,7 +149,7 @@ def test_eagle_is_not_supported_with_chunked_local_attention():
 
 def test_hybrid_chunked_local_block_size_must_be_the_lcm():
     assert field_of(dict(groups=(FullSpec(8), ChunkedLocalSpec(4, 16)))) == "groups[1].block_size"
-    config(groups=(FullSpec(4), ChunkedLocalSpec(8, 16))).validate()
+    config(groups=(FullSpec(4), ChunkedLocalSpec(8, 16)))
 
 
 @pytest.mark.parametrize(
@@ -165,8 +165,24 @@ def test_validate_rejects_wrong_field_types_of_a_directly_built_config(changes):
     naming the field, as from_dict does."""
     field = next(iter(changes))
     with pytest.raises(ConfigError) as e:
-        config(**changes).validate()
+        config(**changes)
     assert e.value.field == field
+
+
+def test_every_way_of_making_a_config_checks_it():
+    """No invalid PoolConfig exists: the constructor, replace() and decoding
+    all raise ConfigError naming the field (decoding's rule errors are not
+    wrapped in msgspec's ValidationError)."""
+    for make in (lambda: config(num_blocks=1), lambda: config().replace(num_blocks=1),
+                 lambda: PoolConfig.from_dict({**BASE_DICT, "num_blocks": 1}),
+                 lambda: PoolConfig.from_json(config().to_json().replace(b'"num_blocks":10',
+                                                                         b'"num_blocks":1'))):
+        with pytest.raises(ConfigError, match="at least 2") as e:
+            make()
+        assert type(e.value) is ConfigError and e.value.field == "num_blocks"
+    with pytest.raises(ConfigError) as e:
+        config(groups=(FullSpec("4"),))
+    assert e.value.field == "groups[0].block_size"
 
 
 def test_a_manager_for_a_config_that_cannot_be_built_leaves_no_segment():
@@ -288,7 +304,7 @@ def test_from_file_toml(tmp_path):
     cfg = PoolConfig.from_file(p)
     assert cfg == PoolConfig(num_blocks=24, hash_block_size=4, max_model_len=64,
                              max_num_seqs=8,
-                             groups=(FullSpec(4), SlidingWindowSpec(4, 8))).validate()
+                             groups=(FullSpec(4), SlidingWindowSpec(4, 8)))
     assert PoolConfig.from_file(str(p), num_blocks=30).num_blocks == 30
 
 
@@ -375,7 +391,7 @@ def test_equal_configs_encode_equal():
     loaded with; a different config gives different bytes."""
     a = PoolConfig.from_dict(BASE_DICT)
     b = PoolConfig.from_dict(dict(reversed(list(BASE_DICT.items()))))
-    c = config().validate()
+    c = config()
     assert a == b == c
     assert a.to_json() == b.to_json() == c.to_json()
     assert a.to_json() != config(num_blocks=11).to_json()
@@ -398,7 +414,6 @@ def test_equal_configs_encode_equal():
     ids=["full", "hybrid", "cross", "sink-dcp", "chunked"],
 )
 def test_round_trip_through_json(cfg):
-    cfg.validate()
     back = PoolConfig.from_json(cfg.to_json())
     assert back == cfg
     assert back.to_json() == cfg.to_json()

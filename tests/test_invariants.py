@@ -79,7 +79,7 @@ ENC_MAX = 40         # max_encoder_len of the encoder-decoder pool
 
 def _cfg(groups, *, num_blocks=40, hbs=4, max_model_len=96, **kw) -> PoolConfig:
     return PoolConfig(num_blocks=num_blocks, hash_block_size=hbs, max_model_len=max_model_len,
-                      groups=tuple(groups), max_num_seqs=MAX_SEQS, **kw).validate()
+                      groups=tuple(groups), max_num_seqs=MAX_SEQS, **kw)
 
 
 CONFIGS: dict[str, PoolConfig] = {
@@ -944,7 +944,7 @@ def test_external_tokens_do_not_steal_another_groups_hits():
     cached) hit: one block in two groups.  kvshm touches every group's hits
     first (regression test for that vLLM bug)."""
     cfg = PoolConfig(num_blocks=15, hash_block_size=4, max_model_len=64, max_num_seqs=4,
-                     groups=(FullSpec(4), SlidingWindowSpec(4, sliding_window=8))).validate()
+                     groups=(FullSpec(4), SlidingWindowSpec(4, sliding_window=8)))
     with KVCacheManager(cfg) as m:
         h = m.make_hasher()
         a = Request("a", list(range(28)), h)

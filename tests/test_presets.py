@@ -1,4 +1,5 @@
-"""Model-shaped presets, sizes, and `kvshm serve` argument errors."""
+"""kvshm/config.py: model-shaped presets, sizes, flags -> pool configs, and
+`kvshm serve` argument errors."""
 
 from __future__ import annotations
 
@@ -11,7 +12,14 @@ import pytest
 
 from kvshm.core.errors import ConfigError
 from kvshm.core.specs import CrossAttentionSpec
-from kvshm.service.presets import PRESETS, parse_size, preset_config
+from kvshm.config import (
+    PRESETS,
+    PoolSource,
+    parse_size,
+    pool_bytes,
+    preset_config,
+    resolve_config,
+)
 
 
 @pytest.mark.parametrize("name", list(PRESETS))
@@ -97,3 +105,97 @@ def test_serve_a_preset_and_stop_it_with_sigint(sockdir):
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
+
+
+# -- resolve_config: flags -> PoolConfig -----------------------------------------------
+
+
+def _file(tmp_path, kv: bool):
+    cfg = tmp_path / "pool.toml"
+    cfg.write_text("num_blocks = 64\nhash_block_size = 16\nmax_model_len = 256\n"
+                   "[[groups]]\ntype = \"full\"\nblock_size = 16\n"
+                   + ("[kv]\nnum_layers = 2\nnum_kv_heads = 2\nhead_size = 8\n" if kv else ""))
+    return str(cfg)
+
+
+def test_a_preset_is_sized_by_blocks_memory_or_the_callers_default():
+    assert resolve_config(PoolSource(preset="llama-8b", num_blocks=10)).num_blocks == 10
+    assert resolve_config(PoolSource(preset="llama-8b", kv_memory="8M")).num_blocks == 4
+    assert resolve_config(PoolSource(preset="llama-8b", kv_memory=8 << 20)).num_blocks == 4
+    assert resolve_config(PoolSource(preset="llama-8b")).num_blocks == 512   # DEFAULT_KV_MEMORY
+    assert resolve_config(PoolSource(), default_preset="llama-8b",
+                          default_kv_memory="64M").num_blocks == 32
+    assert resolve_config(PoolSource(), default_preset="tiny") == preset_config("tiny")
+
+
+def test_a_config_file_keeps_its_size_unless_told(tmp_path):
+    path = _file(tmp_path, kv=True)
+    assert resolve_config(PoolSource(config_file=path)).num_blocks == 64
+    assert resolve_config(PoolSource(config_file=path, num_blocks=9)).num_blocks == 9
+    # 2 (K,V) x 2 layers x 16 tokens x 2 heads x 8 x 2 bytes = 2 KiB a block
+    assert resolve_config(PoolSource(config_file=path, kv_memory="1M")).num_blocks == 512
+
+
+def test_a_vllm_model_directory(tmp_path):
+    from kvshm.vllm.model import write_tiny_model
+    model = str(write_tiny_model(tmp_path / "m"))
+    c = resolve_config(PoolSource(vllm_model=model, block_size=32, dtype="float32",
+                                  max_model_len=1024, kv_memory="8M"))
+    assert (c.groups[0].block_size, c.kv.dtype, c.max_model_len) == (32, "float32", 1024)
+    assert c.num_blocks == (8 << 20) // c.kv_block_bytes
+    assert resolve_config(PoolSource(vllm_model=model, num_blocks=7)).num_blocks == 7
+
+
+def test_hashing_flags_override_the_shape_and_are_checked():
+    c = resolve_config(PoolSource(preset="tiny", num_blocks=8, hash_algorithm="vllm-sha256",
+                                  hash_seed="7"))
+    assert (c.hash_algorithm, c.hash_seed) == ("vllm-sha256", "7")
+    with pytest.raises(ConfigError, match="PYTHONHASHSEED") as e:
+        resolve_config(PoolSource(preset="tiny", num_blocks=8, hash_algorithm="vllm-sha256"))
+    assert e.value.field == "hash_seed"
+
+
+@pytest.mark.parametrize("source, kw, field, message", [
+    (dict(preset="tiny", config_file="x.toml"), {}, "config_file", "give one of"),
+    (dict(preset="tiny", block_size=32), {}, "vllm_model", "--block-size go with"),
+    (dict(preset="tiny", num_blocks=8, kv_memory="1G"), {}, "num_blocks", "not both"),
+    (dict(), {}, "config", "give a preset"),
+    (dict(preset="gpt-17"), {}, "preset", "unknown preset"),
+    (dict(preset="tiny", kv_memory="lots"), {}, "kv_memory", "not a size"),
+    (dict(preset="tiny", num_blocks=1), {}, "num_blocks", "at least 2"),
+], ids=["two-shapes", "vllm-flag", "two-sizes", "nothing", "unknown", "bad-size", "tiny"])
+def test_what_resolve_config_refuses(source, kw, field, message):
+    with pytest.raises(ConfigError, match=message) as e:
+        resolve_config(PoolSource(**source), **kw)
+    assert e.value.field == field
+
+
+def test_a_budget_needs_a_kv_shape_and_workers_need_an_arena(tmp_path):
+    path = _file(tmp_path, kv=False)
+    with pytest.raises(ConfigError, match="--kv-memory needs a KV shape"):
+        resolve_config(PoolSource(config_file=path, kv_memory="1G"))
+    assert resolve_config(PoolSource(config_file=path)).kv is None
+    with pytest.raises(ConfigError, match="no \\[kv\\] shape: workers need a KV arena"):
+        resolve_config(PoolSource(config_file=path), need_kv=True)
+
+
+def test_pool_source_from_command_line_arguments():
+    import argparse
+    args = argparse.Namespace(config="p.toml", num_blocks=5, quiet=True)
+    assert PoolSource.from_args(args) == PoolSource(config_file="p.toml", num_blocks=5)
+
+
+def test_pool_bytes_is_what_the_pool_and_its_arena_take(pool_name):
+    from kvshm.arena import KVArena, arena_name
+    from kvshm.core.manager import KVCacheManager
+    config = preset_config("tiny", num_blocks=64)
+    with KVCacheManager(config, name=pool_name) as mgr:
+        arena = KVArena.create(config, arena_name(pool_name))
+        try:
+            taken = sum(os.path.getsize(f"/dev/shm/{n}") for n in (mgr.segment.name, arena.name))
+        finally:
+            arena.close()
+    assert pool_bytes(config) == taken
+    plain = config.replace(kv=None)
+    with KVCacheManager(plain, name=pool_name) as mgr:
+        assert pool_bytes(plain) == os.path.getsize(f"/dev/shm/{mgr.segment.name}") < taken

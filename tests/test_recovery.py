@@ -141,7 +141,7 @@ def test_a_config_mismatch_at_adoption_is_refused_and_names_the_fields(pool_name
         seg = PoolSegment.attach(pool_name)
         before = bytes(seg._shm.buf)
         seg.close()
-        other = CFG.replace(num_blocks=128, max_model_len=32).validate()
+        other = CFG.replace(num_blocks=128, max_model_len=32)
         res = _serve(other, pool_name, sockdir / "s.sock")
         assert res.returncode == 2, res.stderr
         assert "num_blocks: 64 -> 128" in res.stderr and "max_model_len" in res.stderr

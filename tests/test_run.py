@@ -19,7 +19,7 @@ import pytest
 
 from helpers import kvshm_segments, leftovers
 
-from kvshm.service.presets import preset_config
+from kvshm.config import preset_config
 from kvshm.service.process import CoordinatorProcess
 
 RUN = [sys.executable, "-m", "kvshm", "run"]

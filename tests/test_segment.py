@@ -15,7 +15,7 @@ from kvshm.core.errors import SegmentError, ShmSpaceError
 from kvshm.core.segment import FLAG_NULL, Layout, list_segments, remove_segment
 
 CFG = PoolConfig(num_blocks=16, hash_block_size=4, max_model_len=32,
-                 groups=(FullSpec(4),), max_num_seqs=4).validate()
+                 groups=(FullSpec(4),), max_num_seqs=4)
 
 
 def shm_path(name: str) -> str:
@@ -110,7 +110,7 @@ def test_short_dev_shm_fails_with_the_fix_in_the_message(monkeypatch):
 
 def test_layout_per_block_bytes_and_alignment():
     lay = Layout(PoolConfig(num_blocks=1_000_000, hash_block_size=16, max_model_len=4096,
-                            groups=(FullSpec(16),)).validate())
+                            groups=(FullSpec(16),)))
     assert lay.block_bytes / 1_000_000 < 64
     assert all(off % 64 == 0 for off, _ in lay.offsets.values())
 

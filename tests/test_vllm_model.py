@@ -88,17 +88,17 @@ def test_pool_sizes_and_dtypes_that_do_not_work(tmp_path):
 def test_vllm_hash_seeds_must_be_valid_pythonhashseeds():
     base = dict(num_blocks=8, hash_block_size=4, max_model_len=64, groups=(FullSpec(4),),
                 hash_algorithm="vllm-sha256")
-    assert PoolConfig(**base, hash_seed="4294967295").validate()
+    assert PoolConfig(**base, hash_seed="4294967295")
     for bad in ("kvshm-0", "-1", "4294967296", "", "١"):
         with pytest.raises(ConfigError, match="PYTHONHASHSEED"):
-            PoolConfig(**base, hash_seed=bad).validate()
-    assert PoolConfig(**{**base, "hash_algorithm": "sha256"}, hash_seed="kvshm-0").validate()
+            PoolConfig(**base, hash_seed=bad)
+    assert PoolConfig(**{**base, "hash_algorithm": "sha256"}, hash_seed="kvshm-0")
 
 
 def test_the_layers_layout(tmp_path):
     kv = KVShape(num_layers=3, num_kv_heads=2, head_size=8, dtype="float32", layout="layers")
     c = PoolConfig(num_blocks=10, hash_block_size=4, max_model_len=64, groups=(FullSpec(4),),
-                   kv=kv).validate()
+                   kv=kv)
     lay = ArenaLayout(c)
     assert lay.shape == (3, 2, 10, 2, 4, 8)
     offsets = [lay.layer_region(i) for i in range(3)]
@@ -113,7 +113,7 @@ def test_the_layers_layout(tmp_path):
     with pytest.raises(UnsupportedModel, match="laid out by layers"):
         check_supported(c)
     with pytest.raises(ConfigError, match="kv.layout"):
-        c.replace(kv=KVShape(num_layers=1, num_kv_heads=1, head_size=8, layout="rows")).validate()
+        c.replace(kv=KVShape(num_layers=1, num_kv_heads=1, head_size=8, layout="rows"))
 
 
 def test_the_default_layout_keeps_config_encodings_and_fingerprints():

@@ -19,6 +19,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+from kvshm.core.hashing import DEFAULT_HASH_ALGORITHM, DEFAULT_HASH_SEED
 from kvshm.core.specs import PoolConfig
 from kvshm.service.process import die_with_parent
 from workers.topology import (
@@ -130,8 +131,8 @@ class LaunchOptions:
     grace: float = 10.0
     config: PoolConfig | None = None      # None with `connect`
     connect: str | None = None            # join this coordinator's socket
-    hash_algorithm: str = "sha256"        # with `connect`: the pool's hashing
-    hash_seed: str = "kvshm-0"
+    hash_algorithm: str = DEFAULT_HASH_ALGORITHM   # with `connect`: the pool's hashing
+    hash_seed: str = DEFAULT_HASH_SEED
     workload: dict = field(default_factory=lambda: {"kind": "synthetic"})
     engine: dict = field(default_factory=dict)   # EngineOptions fields
     pin: bool = True
@@ -452,7 +453,7 @@ class Launch:
 def isolated_config(config: PoolConfig, num_workers: int) -> PoolConfig:
     """One worker's private pool in isolated mode: the same total of usable
     blocks, split (each pool keeps its own null block)."""
-    return config.replace(num_blocks=(config.num_blocks - 1) // num_workers + 1).validate()
+    return config.replace(num_blocks=(config.num_blocks - 1) // num_workers + 1)
 
 
 def _exit_text(code: int) -> str:

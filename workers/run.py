@@ -13,7 +13,9 @@ import json
 import sys
 from pathlib import Path
 
+from kvshm.config import RUN_KV_MEMORY, PoolSource, pool_bytes, resolve_config
 from kvshm.core.errors import KvshmError
+from kvshm.core.hashing import DEFAULT_HASH_ALGORITHM, DEFAULT_HASH_SEED
 from workers.launcher import (
     LaunchOptions,
     RunResult,
@@ -25,7 +27,6 @@ from workers.launcher import (
 from workers.topology import describe, format_cpulist
 
 DEFAULT_PRESET = "tiny"
-DEFAULT_KV_MEMORY = "96M"
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
@@ -43,7 +44,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     pool.add_argument("--connect", metavar="SOCKET",
                       help="join a running coordinator instead of starting one")
     size = ap.add_mutually_exclusive_group()
-    size.add_argument("--kv-memory", help=f"KV arena size (default {DEFAULT_KV_MEMORY})")
+    size.add_argument("--kv-memory", help=f"KV arena size (default {RUN_KV_MEMORY})")
     size.add_argument("--num-blocks", type=int, help="pool size in blocks")
     mode = ap.add_mutually_exclusive_group()
     mode.add_argument("--isolated", action="store_true",
@@ -75,8 +76,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--reconnect-timeout", type=float, default=60.0, metavar="S",
                     help="how long workers wait for a coordinator that went away to come "
                          "back (restarted by kvshm run or your supervisor) (60)")
-    ap.add_argument("--hash-algorithm", default="sha256", help="with --connect")
-    ap.add_argument("--hash-seed", default="kvshm-0", help="with --connect")
+    ap.add_argument("--hash-algorithm", default=DEFAULT_HASH_ALGORITHM, help="with --connect")
+    ap.add_argument("--hash-seed", default=DEFAULT_HASH_SEED, help="with --connect")
     ap.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     ap.add_argument("--quiet", action="store_true", help="no live progress")
 
@@ -84,9 +85,6 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 def options_from_args(args: argparse.Namespace) -> LaunchOptions:
     """LaunchOptions from parsed arguments; raises ValueError / KvshmError
     with a message for the user."""
-    from kvshm.core.specs import PoolConfig
-    from kvshm.service.presets import blocks_for_memory, parse_size, preset_config
-
     if args.workers is None:
         from workers.topology import discover
         args.workers = max(2, sum(1 for node in discover() if not node.virtual))
@@ -115,20 +113,11 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
             raise ValueError("--isolated/--compare start their own pools: not with --connect")
         if args.kv_memory or args.num_blocks:
             raise ValueError("--connect joins an existing pool: its size is the coordinator's")
-    elif args.config:
-        config = PoolConfig.from_file(args.config)
-        if config.kv is None:
-            raise ValueError(f"{args.config} has no [kv] shape: workers need a KV arena")
-        if args.num_blocks:
-            config = config.replace(num_blocks=args.num_blocks).validate()
-        elif args.kv_memory:
-            config = config.replace(num_blocks=blocks_for_memory(
-                config.kv_block_bytes, parse_size(args.kv_memory))).validate()
     else:
-        config = preset_config(
-            args.preset or DEFAULT_PRESET, num_blocks=args.num_blocks,
-            kv_memory=parse_size(args.kv_memory or DEFAULT_KV_MEMORY)
-            if not args.num_blocks else None)
+        config = resolve_config(
+            PoolSource(preset=args.preset, config_file=args.config,
+                       num_blocks=args.num_blocks, kv_memory=args.kv_memory),
+            default_preset=DEFAULT_PRESET, default_kv_memory=RUN_KV_MEMORY, need_kv=True)
     max_len = config.max_model_len if config else 4096
     if args.workload == "synthetic":
         import dataclasses
@@ -154,15 +143,15 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
               "verify_hits": args.verify_hits, "check_decode": args.check_decode,
               "seed": args.seed}
     if config is not None:
-        from kvshm.arena import arena_bytes, resolve_dtype
-        from kvshm.core.segment import Layout, check_shm_space
+        from kvshm.arena import resolve_dtype
+        from kvshm.core.segment import check_shm_space
         from workers.engine import check_supported
         check_supported(config)
         resolve_dtype(config.kv.dtype)   # e.g. bfloat16 without ml_dtypes: say so now
         pools = args.workers if (args.isolated or args.compare) else 1
         per_pool = config if pools == 1 else isolated_config(config, pools)
         # Refuse up front (exit 2) rather than from inside a coordinator child.
-        check_shm_space(pools * (Layout(per_pool).size + arena_bytes(per_pool)))
+        check_shm_space(pools * pool_bytes(per_pool))
     return LaunchOptions(
         num_workers=args.workers, duration=args.duration, grace=args.grace, config=config,
         connect=args.connect, hash_algorithm=args.hash_algorithm, hash_seed=args.hash_seed,

@@ -32,6 +32,10 @@ HASH_SLOT_BYTES = 32  # room for one hash in the shared-memory block table
 HASH_ALGORITHMS = ("sha256", "xxh3_128", "vllm-sha256", "vllm-sha256-cbor")
 # kvshm algorithm -> vLLM's `prefix_caching_hash_algo` it reproduces.
 VLLM_HASH_ALGORITHMS = {"vllm-sha256": "sha256", "vllm-sha256-cbor": "sha256_cbor"}
+# A pool's hashing unless its config says otherwise (and what a client
+# expects unless told).
+DEFAULT_HASH_ALGORITHM = "sha256"
+DEFAULT_HASH_SEED = "kvshm-0"
 
 _SCHEME = b"kvshm-block-hash-v1"
 

@@ -27,7 +27,7 @@ class KVCacheManager:
     """The allocator for one pool.
 
     Args:
-        config: the pool config (validated here).
+        config: the pool config.
         segment: an existing segment to adopt (its config wins; `config` may
             then be None): a frame its last writer left cut off is rolled
             back and the derived arrays rebuilt first (`repair_report` says
@@ -78,10 +78,7 @@ class KVCacheManager:
     # -- construction helpers --------------------------------------------------
     def make_hasher(self) -> BlockHasher | None:
         """The block hasher requests of this pool must use (None: caching off)."""
-        cfg = self.config
-        if not cfg.enable_caching:
-            return None
-        return BlockHasher(cfg.hash_algorithm, cfg.hash_seed, cfg.hash_block_size)
+        return self.config.block_hasher()
 
     def _adopt_table(self) -> None:
         """Rebuild the request index and per-group lists from the segment."""

@@ -267,12 +267,11 @@ class PoolSegment(OwnedMapping):
     # -- lifecycle -------------------------------------------------------------
     @classmethod
     def create(cls, config: PoolConfig, name: str | None = None) -> "PoolSegment":
-        """Create and initialise a segment for `config` (validated here).
+        """Create and initialise a segment for `config`.
 
         Raises ShmSpaceError when /dev/shm is too small and SegmentError when
         `name` already exists.
         """
-        config.validate()
         layout = Layout(config)
         shm = create_shm(name, layout.size)
         seg = cls(shm, layout, owner=True)

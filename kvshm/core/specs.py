@@ -1,7 +1,10 @@
 """KV-cache group specs and the pool config, with the rules vLLM enforces.
 
 A config loads from a conformance-trace config line, a JSON file or a TOML
-file; `PoolConfig.validate()` names the field and the rule that is broken.
+file, or is built in code; either way it checks itself when built, and a
+broken rule raises `ConfigError` naming the field and the rule, so no
+invalid `PoolConfig` exists.  (Turning command-line flags into one is
+kvshm/config.py's job.)
 """
 
 from __future__ import annotations
@@ -15,7 +18,13 @@ from typing import Any, Union
 import msgspec
 
 from kvshm.core.errors import ConfigError
-from kvshm.core.hashing import HASH_ALGORITHMS, VLLM_HASH_ALGORITHMS
+from kvshm.core.hashing import (
+    DEFAULT_HASH_ALGORITHM,
+    DEFAULT_HASH_SEED,
+    HASH_ALGORITHMS,
+    VLLM_HASH_ALGORITHMS,
+    BlockHasher,
+)
 
 
 class FullSpec(msgspec.Struct, frozen=True, tag="full", tag_field="type"):
@@ -137,8 +146,8 @@ class PoolConfig(msgspec.Struct, frozen=True, kw_only=True):
     dcp_world_size: int = 1
     max_num_seqs: int = 1024
     max_encoder_len: int | None = None
-    hash_algorithm: str = "sha256"
-    hash_seed: str = "kvshm-0"
+    hash_algorithm: str = DEFAULT_HASH_ALGORITHM
+    hash_seed: str = DEFAULT_HASH_SEED
     kv: KVShape | None = None   # set: the coordinator also creates a KV data arena
 
     # -- derived values ------------------------------------------------------
@@ -191,15 +200,32 @@ class PoolConfig(msgspec.Struct, frozen=True, kw_only=True):
         return msgspec.json.encode(self, order="sorted")
 
     def replace(self, **changes: Any) -> "PoolConfig":
+        """A copy with `changes` (checked like any new config)."""
         return msgspec.structs.replace(self, **changes)
 
+    def block_hasher(self) -> BlockHasher | None:
+        """The block hasher requests of this pool must use (None: caching off)."""
+        if not self.enable_caching:
+            return None
+        return BlockHasher(self.hash_algorithm, self.hash_seed, self.hash_block_size)
+
     # -- validation ----------------------------------------------------------
-    def validate(self) -> "PoolConfig":
-        """Check every rule; return self or raise `ConfigError`."""
-        try:  # field types, for configs built directly rather than decoded
-            msgspec.convert(msgspec.to_builtins(self), type(self))
-        except (msgspec.ValidationError, TypeError) as e:
-            raise ConfigError(_path_of(str(e)), str(e)) from None
+    def __post_init__(self) -> None:
+        # Runs for every way a config is made: the constructor, decoding
+        # (msgspec.convert), and replace().
+        self._check_types()
+        self._check_rules()
+
+    def _check_types(self) -> None:
+        """Field types, for configs built in code (decoding checks them too,
+        but a constructor does not)."""
+        for f in msgspec.structs.fields(self):
+            try:
+                msgspec.convert(msgspec.to_builtins(getattr(self, f.name)), f.type)
+            except (msgspec.ValidationError, TypeError) as e:
+                raise ConfigError(f.name + _subpath(str(e)), str(e)) from None
+
+    def _check_rules(self) -> None:
         _positive("num_blocks", self.num_blocks)
         if self.num_blocks < 2:
             raise ConfigError("num_blocks", "must be at least 2 (block 0 is the null block)")
@@ -243,7 +269,6 @@ class PoolConfig(msgspec.Struct, frozen=True, kw_only=True):
                 "num_blocks",
                 f"must exceed 1 + the {self.num_sink_blocks} sink blocks",
             )
-        return self
 
     def _validate_group(self, i: int, g: GroupSpec) -> None:
         where = f"groups[{i}]"
@@ -333,15 +358,16 @@ class PoolConfig(msgspec.Struct, frozen=True, kw_only=True):
     # -- loading -------------------------------------------------------------
     @classmethod
     def from_dict(cls, data: dict[str, Any], **overrides: Any) -> "PoolConfig":
-        """Build and validate from a mapping (unknown keys are ignored)."""
+        """Build from a mapping (unknown keys are ignored); raises ConfigError."""
         if not isinstance(data, dict):
             raise ConfigError("config", f"expected a mapping, got {type(data).__name__}")
         data = {**data, **overrides}
         try:
-            cfg = msgspec.convert(data, cls)
+            return msgspec.convert(data, cls)
         except msgspec.ValidationError as e:
+            if isinstance(e.__cause__, ConfigError):   # a rule, raised by __post_init__
+                raise e.__cause__ from None
             raise ConfigError(_path_of(str(e)), str(e)) from None
-        return cfg.validate()
 
     @classmethod
     def from_file(cls, path: str | Path, **overrides: Any) -> "PoolConfig":
@@ -390,6 +416,11 @@ def _is_hash_seed(seed: str) -> bool:
 def _positive(field: str, value: int) -> None:
     if value <= 0:
         raise ConfigError(field, f"must be a positive integer (got {value})")
+
+
+def _subpath(message: str) -> str:
+    # msgspec: "Expected `int`, got `str` - at `$[0].block_size`" -> "[0].block_size"
+    return message.rsplit(" - at `$", 1)[1].rstrip("`") if " - at `$" in message else ""
 
 
 def _path_of(message: str) -> str:

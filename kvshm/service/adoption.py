@@ -19,7 +19,6 @@ from kvshm.core.errors import SegmentError
 from kvshm.core.manager import KVCacheManager
 from kvshm.core.recovery import RepairReport, repair
 from kvshm.core.segment import (
-    Layout,
     PoolSegment,
     check_shm_space,
     lock_segment,
@@ -83,8 +82,9 @@ def fresh_hint(name: str) -> str:
 def create_pool(config: PoolConfig, name: str) -> OpenPool:
     """A new pool named `name` (and its arena when the config has a KV
     shape); both must fit in /dev/shm.  Raises ShmSpaceError, SegmentError."""
-    from kvshm.arena import KVArena, arena_bytes, arena_name
-    check_shm_space(Layout(config.validate()).size + arena_bytes(config))
+    from kvshm.arena import KVArena, arena_name
+    from kvshm.config import pool_bytes
+    check_shm_space(pool_bytes(config))
     mgr = KVCacheManager(config, name=name)
     try:
         lock = lock_segment(mgr.segment.name)

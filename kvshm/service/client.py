@@ -21,7 +21,12 @@ from collections.abc import Sequence
 
 import msgspec
 
-from kvshm.core.hashing import BlockHasher, hash_fingerprint
+from kvshm.core.hashing import (
+    DEFAULT_HASH_ALGORITHM,
+    DEFAULT_HASH_SEED,
+    BlockHasher,
+    hash_fingerprint,
+)
 from kvshm.core.specs import PoolConfig
 from kvshm.service import protocol as p
 from kvshm.core.errors import KvshmError
@@ -131,11 +136,9 @@ class SessionInfo:
 
     def make_hasher(self) -> BlockHasher | None:
         """A hasher producing the pool's block hashes, for clients that hash
-        prompts themselves (send them with `block_hashes=`)."""
-        cfg = self.config
-        if not cfg.enable_caching:
-            return None
-        return BlockHasher(cfg.hash_algorithm, cfg.hash_seed, cfg.hash_block_size)
+        prompts themselves (send them with `block_hashes=`); None when the
+        pool does not cache."""
+        return self.config.block_hasher()
 
     def attach_arena(self):
         """Map the pool's KV data arena (a `kvshm.arena.KVArena`; close it
@@ -445,8 +448,9 @@ class Client(SessionInfo):
 
 async def connect(path: str | os.PathLike, *, tenant: str = "", node: int = -1,
                   token: str | None = None, admin: bool = False,
-                  admin_token: str | None = None, hash_algorithm: str | None = "sha256",
-                  hash_seed: str = "kvshm-0", timeout: float = 10.0,
+                  admin_token: str | None = None,
+                  hash_algorithm: str | None = DEFAULT_HASH_ALGORITHM,
+                  hash_seed: str = DEFAULT_HASH_SEED, timeout: float = 10.0,
                   reconnect: "Reconnect | None" = None, resume: bool = True) -> Client:
     """Open a session.  `admin=True` reads the coordinator's generated admin
     token from beside its socket (or pass `admin_token`): the session may
@@ -499,7 +503,8 @@ def check_welcome(reply) -> p.Welcome:
 
 def make_hello(path, *, tenant: str = "", node: int = -1, token: str | None = None,
                admin: bool = False, admin_token: str | None = None,
-               hash_algorithm: str | None = "sha256", hash_seed: str = "kvshm-0") -> p.Hello:
+               hash_algorithm: str | None = DEFAULT_HASH_ALGORITHM,
+               hash_seed: str = DEFAULT_HASH_SEED) -> p.Hello:
     """The handshake of a session (`connect()`'s arguments); `admin=True`
     reads the admin token from beside the socket unless one is given, and
     `hash_algorithm=None` takes the pool's hashing, whatever it is (the

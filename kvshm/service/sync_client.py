@@ -27,6 +27,7 @@ from collections.abc import Sequence
 import msgspec
 
 from kvshm.core.errors import KvshmError
+from kvshm.core.hashing import DEFAULT_HASH_ALGORITHM, DEFAULT_HASH_SEED
 from kvshm.service import protocol as p
 from kvshm.service.client import (
     REPLY_LIMIT_BYTES,
@@ -359,8 +360,9 @@ class SyncClient(SessionInfo):
 
 def connect_sync(path: str | os.PathLike, *, tenant: str = "", node: int = -1,
                  token: str | None = None, admin: bool = False,
-                 admin_token: str | None = None, hash_algorithm: str | None = "sha256",
-                 hash_seed: str = "kvshm-0", timeout: float = 10.0,
+                 admin_token: str | None = None,
+                 hash_algorithm: str | None = DEFAULT_HASH_ALGORITHM,
+                 hash_seed: str = DEFAULT_HASH_SEED, timeout: float = 10.0,
                  reconnect: Reconnect | None = None, resume: bool = True) -> SyncClient:
     """Open a session (blocking); the arguments and errors of `connect()`."""
     hello = make_hello(path, tenant=tenant, node=node, token=token, admin=admin,

@@ -11,8 +11,9 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvshm.config import blocks_for_memory
 from kvshm.core.errors import ConfigError
-from kvshm.core.specs import FullSpec, KVShape, PoolConfig, SlidingWindowSpec
+from kvshm.core.specs import KV_DTYPES, FullSpec, KVShape, PoolConfig, SlidingWindowSpec
 
 # A 2-layer Llama small enough for tests and demos: vLLM builds it from this
 # config alone with load_format="dummy".
@@ -44,11 +45,6 @@ class ModelKV:
     dtype: str
     max_model_len: int
     sliding_window: int | None = None
-
-    def block_bytes(self, block_size: int, dtype: str | None = None) -> int:
-        """Bytes of K and V of one block over every layer."""
-        itemsize = 4 if (dtype or self.dtype) == "float32" else 2
-        return 2 * self.num_layers * block_size * self.num_kv_heads * self.head_size * itemsize
 
 
 def read_model(directory: str | Path) -> ModelKV:
@@ -102,21 +98,17 @@ def model_pool_config(directory: str | Path, *, kv_memory: int, block_size: int 
     vLLM's block hashes.  Raises ConfigError."""
     m = read_model(directory)
     dt = m.dtype if dtype == "auto" else dtype
-    if dt not in ("float32", "float16", "bfloat16"):
-        raise ConfigError("dtype", f"must be auto, float32, float16 or bfloat16 (got {dtype!r})")
-    per_block = m.block_bytes(block_size, dt)
-    num_blocks = kv_memory // per_block
-    if num_blocks < 2:
-        raise ConfigError("kv_memory", f"{kv_memory:,} bytes hold {num_blocks} blocks of "
-                          f"{per_block:,} bytes; at least 2 are needed")
+    if dt not in KV_DTYPES:
+        raise ConfigError("dtype", f"must be auto, {', '.join(KV_DTYPES)} (got {dtype!r})")
     spec = (SlidingWindowSpec(block_size, m.sliding_window) if m.sliding_window
             else FullSpec(block_size))
-    return PoolConfig(
-        num_blocks=num_blocks, hash_block_size=block_size,
+    shape = PoolConfig(
+        num_blocks=2, hash_block_size=block_size,
         max_model_len=max_model_len or m.max_model_len, groups=(spec,),
         max_num_seqs=max_num_seqs, hash_algorithm=hash_algorithm, hash_seed=hash_seed,
         kv=KVShape(num_layers=m.num_layers, num_kv_heads=m.num_kv_heads,
-                   head_size=m.head_size, dtype=dt, layout="layers")).validate()
+                   head_size=m.head_size, dtype=dt, layout="layers"))
+    return shape.replace(num_blocks=blocks_for_memory(shape.kv_block_bytes, kv_memory))
 
 
 # A 4-layer Llama whose prefill costs something (about 17M parameters): the

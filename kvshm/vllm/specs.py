@@ -77,7 +77,7 @@ def pool_config(kv_cache_config: vi.KVCacheConfig, *, max_model_len: int,
                 dcp_world_size: int, pcp_world_size: int, max_num_seqs: int,
                 hash_algorithm: str, hash_seed: str,
                 max_encoder_len: int | None = None) -> PoolConfig:
-    """The pool config of a vLLM engine's KV cache (validated)."""
+    """The pool config of a vLLM engine's KV cache."""
     if pcp_world_size != 1:
         raise ConfigError("pcp_world_size", "kvshm pools support prefill context "
                           f"parallelism of 1 only (got {pcp_world_size})")
@@ -87,7 +87,7 @@ def pool_config(kv_cache_config: vi.KVCacheConfig, *, max_model_len: int,
         max_model_len=max_model_len, groups=groups, enable_caching=enable_caching,
         use_eagle=use_eagle, dcp_world_size=dcp_world_size, max_num_seqs=max_num_seqs,
         max_encoder_len=max_encoder_len, hash_algorithm=hash_algorithm,
-        hash_seed=hash_seed).validate()
+        hash_seed=hash_seed)
 
 
 def config_differences(pool: PoolConfig, engine: PoolConfig) -> list[str]:

@@ -1,0 +1,228 @@
+"""Pool configs from what users type.
+
+`kvshm serve`, `kvshm run` and the benchmarks describe a pool the same way:
+its shape from a model-shaped preset, a config file or a vLLM model
+directory; its size as a block count or a KV memory budget; optionally other
+block hashing.  `PoolSource` holds those choices and `resolve_config` turns
+them into a `PoolConfig` (kvshm/core/specs.py: the type and its rules; every
+PoolConfig checks itself when built).  `pool_bytes` is what a pool takes in
+/dev/shm (its segment and its KV arena).
+
+Each preset gives the KV-cache groups and the model's KV shape (layers per
+group, KV heads, head size, dtype), so that a memory budget becomes a block
+count and the coordinator can size the KV data arena.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import msgspec
+
+from kvshm.arena import arena_bytes
+from kvshm.core.errors import ConfigError
+from kvshm.core.segment import Layout
+from kvshm.core.specs import (
+    CrossAttentionSpec,
+    FullSpec,
+    GroupSpec,
+    KVShape,
+    MambaSpec,
+    PoolConfig,
+    SlidingWindowSpec,
+)
+
+# The KV budget of a pool sized by neither blocks nor memory.  A pool that
+# serves engines gets 1 GiB; `kvshm run`'s demo gets 96 MiB, small enough that
+# its 30-second workload fills it, so that evictions happen and a shared pool's
+# hit rate differs from isolated ones (with 1 GiB nothing is ever evicted).
+DEFAULT_KV_MEMORY = "1G"
+RUN_KV_MEMORY = "96M"
+
+
+@dataclass(frozen=True)
+class Preset:
+    description: str
+    groups: tuple[GroupSpec, ...]
+    kv: KVShape
+    max_model_len: int
+    enable_caching: bool = True
+
+    def config(self, num_blocks: int, **overrides) -> PoolConfig:
+        fields = dict(num_blocks=num_blocks, hash_block_size=16,
+                      max_model_len=self.max_model_len, groups=self.groups,
+                      enable_caching=self.enable_caching, kv=self.kv)
+        fields.update(overrides)
+        return PoolConfig(**fields)
+
+    @property
+    def block_bytes(self) -> int:
+        """KV bytes of one block id (all groups share ids)."""
+        return self.config(2).kv_block_bytes
+
+
+def _kv(layers: int, kv_heads: int, head_size: int, dtype: str) -> KVShape:
+    return KVShape(num_layers=layers, num_kv_heads=kv_heads, head_size=head_size, dtype=dtype)
+
+
+PRESETS: dict[str, Preset] = {
+    "tiny": Preset(
+        "small Llama-shaped model for the CPU workers of `kvshm run`: 4 full-attention "
+        "layers, 4 KV heads x 32, fp16",
+        (FullSpec(16),), _kv(4, 4, 32, "float16"), 4096),
+    "tiny-hybrid": Preset(
+        "small hybrid for the CPU workers: full attention + 256-token sliding window, "
+        "2 layers each, 4 KV heads x 32, fp32",
+        (FullSpec(16), SlidingWindowSpec(16, 256)), _kv(2, 4, 32, "float32"), 4096),
+    "llama-8b": Preset(
+        "Llama-3-8B-like: 32 full-attention layers, 8 KV heads x 128, bf16",
+        (FullSpec(16),), _kv(32, 8, 128, "bfloat16"), 8192),
+    "gemma-hybrid": Preset(
+        "Gemma-2-like hybrid: full attention + 4096-token sliding window, "
+        "21 layers each, 8 KV heads x 256, bf16",
+        (FullSpec(16), SlidingWindowSpec(16, 4096)), _kv(21, 8, 256, "bfloat16"), 8192),
+    "jamba-hybrid": Preset(
+        "Jamba-like hybrid: 4 full-attention layers + Mamba state, bf16",
+        (FullSpec(16), MambaSpec(16)), _kv(4, 8, 128, "bfloat16"), 8192),
+    "whisper-encdec": Preset(
+        "Whisper-like encoder-decoder: decoder self-attention + cross-attention "
+        "over 1500 encoder frames, 32 layers, 20 heads x 64, fp16 (no prefix cache)",
+        (FullSpec(16), CrossAttentionSpec(16)), _kv(32, 20, 64, "float16"), 448,
+        enable_caching=False),
+}
+
+
+def preset_config(name: str, *, num_blocks: int | None = None,
+                  kv_memory: int | None = None, **overrides) -> PoolConfig:
+    """The pool config of preset `name`, sized by a block count or a KV
+    memory budget in bytes (default: DEFAULT_KV_MEMORY)."""
+    preset = PRESETS.get(name)
+    if preset is None:
+        raise ConfigError("preset", f"unknown preset {name!r} (one of {', '.join(PRESETS)})")
+    if num_blocks is None:
+        num_blocks = blocks_for_memory(
+            preset.block_bytes,
+            kv_memory if kv_memory is not None else parse_size(DEFAULT_KV_MEMORY))
+    if name == "whisper-encdec":
+        overrides.setdefault("max_encoder_len", 1500)
+    return preset.config(num_blocks, **overrides)
+
+
+def blocks_for_memory(block_bytes: int, kv_memory: int) -> int:
+    """How many blocks of `block_bytes` a KV budget of `kv_memory` bytes holds
+    (raises ConfigError below 2 blocks: the null block and one more)."""
+    num_blocks = kv_memory // block_bytes
+    if num_blocks < 2:
+        raise ConfigError("kv_memory", f"{kv_memory} bytes hold {num_blocks} block(s) of "
+                          f"{block_bytes} bytes; at least 2 are needed")
+    return num_blocks
+
+
+def parse_size(text: str) -> int:
+    """'512M', '4G', '1.5GiB', '1000000' -> bytes."""
+    t = text.strip().upper().removesuffix("B").removesuffix("I")
+    mult = 1
+    for suffix, m in (("K", 2**10), ("M", 2**20), ("G", 2**30), ("T", 2**40)):
+        if t.endswith(suffix):
+            t, mult = t[:-1], m
+            break
+    try:
+        value = float(t) * mult
+    except ValueError:
+        raise ConfigError("kv_memory", f"not a size: {text!r} (e.g. 512M, 4G)") from None
+    if value <= 0:
+        raise ConfigError("kv_memory", f"must be positive (got {text!r})")
+    return int(value)
+
+
+class PoolSource(msgspec.Struct, frozen=True, kw_only=True):
+    """What a user said about a pool.
+
+    Its shape comes from one of `preset`, `config_file` (.toml or .json) and
+    `vllm_model` (a model directory; `block_size`, `dtype` and
+    `max_model_len` go with it only); none of them means the caller's default
+    preset.  Its size is `num_blocks` or `kv_memory` (bytes, or a size such as
+    "4G"), not both.  `hash_algorithm` and `hash_seed` override the shape's.
+    """
+
+    preset: str | None = None
+    config_file: str | None = None
+    vllm_model: str | None = None
+    num_blocks: int | None = None
+    kv_memory: str | int | None = None
+    hash_algorithm: str | None = None
+    hash_seed: str | None = None
+    block_size: int | None = None
+    dtype: str | None = None
+    max_model_len: int | None = None
+
+    @classmethod
+    def from_args(cls, args) -> "PoolSource":
+        """From parsed command-line arguments named like the fields (the
+        file is `args.config`); arguments a command lacks are None."""
+        values = {f: getattr(args, f, None) for f in cls.__struct_fields__}
+        values["config_file"] = getattr(args, "config", None)
+        return cls(**values)
+
+
+def resolve_config(source: PoolSource, *, default_preset: str | None = None,
+                   default_kv_memory: str | int = DEFAULT_KV_MEMORY,
+                   need_kv: bool = False) -> PoolConfig:
+    """The pool `source` describes.  A preset or a vLLM model given no size
+    gets `default_kv_memory`; a config file keeps its `num_blocks`.
+    `need_kv`: the pool must have a KV arena (a `kv` shape).  Raises
+    ConfigError naming what to change."""
+    shapes = [f for f in ("preset", "config_file", "vllm_model") if getattr(source, f)]
+    if len(shapes) > 1:
+        raise ConfigError(shapes[1], f"give one of a preset, a config file and a vLLM "
+                          f"model (got {' and '.join(shapes)})")
+    vllm_only = [flag for flag, v in (("--block-size", source.block_size),
+                                      ("--dtype", source.dtype),
+                                      ("--max-model-len", source.max_model_len))
+                 if v is not None]
+    if vllm_only and not source.vllm_model:
+        raise ConfigError("vllm_model", f"{', '.join(vllm_only)} go with --vllm-model")
+    if source.num_blocks is not None and source.kv_memory is not None:
+        raise ConfigError("num_blocks", "give a block count or a KV memory budget, not both")
+    budget = None if source.kv_memory is None else _bytes(source.kv_memory)
+    if source.vllm_model:
+        from kvshm.vllm.model import VLLM_CPU_BLOCK_SIZE, model_pool_config
+        config = model_pool_config(
+            source.vllm_model, kv_memory=budget or _bytes(default_kv_memory),
+            block_size=source.block_size or VLLM_CPU_BLOCK_SIZE,
+            dtype=source.dtype or "auto", max_model_len=source.max_model_len)
+        if source.num_blocks is not None:
+            config = config.replace(num_blocks=source.num_blocks)
+    elif source.config_file:
+        config = PoolConfig.from_file(source.config_file)
+        if source.num_blocks is not None:
+            config = config.replace(num_blocks=source.num_blocks)
+        elif budget is not None:
+            if config.kv is None:
+                raise ConfigError("kv_memory", "--kv-memory needs a KV shape ([kv] in the "
+                                  "config, or --preset); use --num-blocks")
+            config = config.replace(num_blocks=blocks_for_memory(config.kv_block_bytes,
+                                                                 budget))
+    else:
+        name = source.preset or default_preset
+        if name is None:
+            raise ConfigError("config", "give a preset, a config file or a vLLM model")
+        config = preset_config(name, num_blocks=source.num_blocks,
+                               kv_memory=budget if budget is not None
+                               else _bytes(default_kv_memory))
+    if need_kv and config.kv is None:
+        raise ConfigError("kv", f"{source.config_file} has no [kv] shape: workers need a "
+                          "KV arena")
+    hashing = {f: getattr(source, f) for f in ("hash_algorithm", "hash_seed")
+               if getattr(source, f) is not None}
+    return config.replace(**hashing) if hashing else config
+
+
+def pool_bytes(config: PoolConfig) -> int:
+    """Bytes of /dev/shm a pool of `config` takes: its segment and, with a
+    `kv` shape, its KV arena."""
+    return Layout(config).size + arena_bytes(config)
+
+
+def _bytes(size: str | int) -> int:
+    return size if isinstance(size, int) else parse_size(size)
