@@ -8,7 +8,9 @@ The public API, re-exported here (pinned by tests/test_public_api.py):
   not imported here so that `import kvshm` needs no numpy)
 - `KVCacheManager` (embedded mode), `Request`, `BlockHasher`
 - `PoolSegment` (the shared-memory pool state) and `check_segment`
-- the error classes
+- the coordinator's clients: `connect` / `Client` (asyncio) and
+  `connect_sync` / `SyncClient` (blocking)
+- the error classes, the core's and the service's
 """
 
 from kvshm.core.check import CheckReport, check_segment
@@ -40,17 +42,48 @@ from kvshm.core.specs import (
     SinkFullSpec,
     SlidingWindowSpec,
 )
+from kvshm.service.client import Client, connect
+from kvshm.service.errors import (
+    BatchTooLarge,
+    ConnectionClosed,
+    ConnectionLost,
+    Forbidden,
+    FrameTooLarge,
+    HandshakeError,
+    HandshakeRequired,
+    HashMismatch,
+    InternalError,
+    NotOwner,
+    PoolInUse,
+    ProtocolError,
+    ReplyLost,
+    RequestTimeout,
+    ResumeFailed,
+    SocketInUse,
+    VersionMismatch,
+)
+from kvshm.service.sync_client import SyncClient, connect_sync
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "BatchTooLarge",
     "BlockHasher",
     "CheckReport",
     "ChunkedLocalSpec",
+    "Client",
     "ConfigError",
+    "ConnectionClosed",
+    "ConnectionLost",
     "CrossAttentionSpec",
     "DuplicateRequest",
+    "Forbidden",
+    "FrameTooLarge",
     "FullSpec",
+    "HandshakeError",
+    "HandshakeRequired",
+    "HashMismatch",
+    "InternalError",
     "InvalidArgument",
     "KVCacheManager",
     "KVShape",
@@ -58,17 +91,28 @@ __all__ = [
     "MLASpec",
     "MambaSpec",
     "NoFreeBlocks",
+    "NotOwner",
     "PoolConfig",
+    "PoolInUse",
     "PoolRefused",
     "PoolSegment",
+    "ProtocolError",
+    "ReplyLost",
     "Request",
     "RequestTableFull",
+    "RequestTimeout",
     "RequestTooLong",
+    "ResumeFailed",
     "SegmentError",
     "ShmSpaceError",
     "SinkFullSpec",
     "SlidingWindowSpec",
+    "SocketInUse",
+    "SyncClient",
     "UnknownRequest",
+    "VersionMismatch",
     "check_segment",
+    "connect",
+    "connect_sync",
     "hash_fingerprint",
 ]

@@ -230,7 +230,9 @@ def _preset_names() -> list[str]:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from kvshm.config import PoolSource, resolve_config
-    from kvshm.service.server import default_socket_path, run_async, serve
+    from kvshm.service.loop import run_async
+    from kvshm.service.handshake import default_socket_path
+    from kvshm.service.server import serve
 
     config = resolve_config(PoolSource.from_args(args))
     tokens = {}

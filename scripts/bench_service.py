@@ -81,7 +81,8 @@ from kvshm.service.ops import OpExecutor  # noqa: E402
 from kvshm.core.segment import SHM_DIR, remove_segment  # noqa: E402
 from kvshm.core.specs import FullSpec, PoolConfig  # noqa: E402
 from kvshm.service import protocol as p  # noqa: E402
-from kvshm.service.client import read_admin_token  # noqa: E402
+from kvshm.service.framing import encode_frame  # noqa: E402
+from kvshm.service.handshake import read_admin_token  # noqa: E402
 from kvshm.service.process import CoordinatorProcess  # noqa: E402
 from kvshm.workload import EmbeddedBackend, WorkloadSpec, drive  # noqa: E402
 
@@ -220,7 +221,7 @@ def bench_inprocess(config: PoolConfig, rec: Recording, batch: int, runs: int,
         owner = executor.open_owner(1, admin=True)
         decode = msgspec.msgpack.Decoder(p.Message).decode
         enc = msgspec.msgpack.Encoder()
-        execute, encode_frame = executor.execute, p.encode_frame
+        execute = executor.execute
         times, profile_text = [], None
         for r in range(runs + (1 if profile else 0)):
             frames, _, _ = build_frames(rec.steps, rec.hits, batch, f"ip{r}-")
@@ -383,7 +384,7 @@ class SyncConn:
         return buf
 
     def call(self, msg):
-        return self.dec.decode(memoryview(self.raw(p.encode_frame(msg)))[4:])
+        return self.dec.decode(memoryview(self.raw(encode_frame(msg)))[4:])
 
     def close(self) -> None:
         self.sock.close()
@@ -421,7 +422,7 @@ def _summ(ns: array) -> dict:
 
 def bench_latency(path, config: PoolConfig, calls: int, warmup: int) -> dict:
     from kvshm.service.client import connect
-    from kvshm.service.server import run_async
+    from kvshm.service.loop import run_async
 
     async def run() -> dict:
         c = await connect(path, hash_algorithm=config.hash_algorithm,
@@ -472,7 +473,7 @@ def bench_latency(path, config: PoolConfig, calls: int, warmup: int) -> dict:
     try:
         sc.call(p.AddRequest("lat-raw", list(range(64))))
         sc.call(p.AllocateSlots("lat-raw", 64))
-        frame = p.encode_frame(p.GetBlockIds("lat-raw"))
+        frame = encode_frame(p.GetBlockIds("lat-raw"))
         if sc.call(p.GetBlockIds("lat-raw")).__class__ is not p.BlockIds:
             raise RuntimeError("get_block_ids failed on the raw connection")
         perf = time.perf_counter_ns
@@ -498,7 +499,7 @@ def _worker_main(conn, index: int, blob: bytes, hits: list[int], hash_algorithm:
     connect, say ready, wait for "go", replay, send the figures back."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops us
     try:
-        from kvshm.service.server import run_async
+        from kvshm.service.loop import run_async
 
         steps = msgspec.msgpack.Decoder(list[list[p.Op]]).decode(blob)
         del blob
@@ -691,7 +692,7 @@ def _cpu(ps: psutil.Process) -> float:
 def bench_rss(config: PoolConfig, rec: Recording, total_ops: int, every: int,
               warmup: int, batch: int) -> dict:
     from kvshm.service.client import connect
-    from kvshm.service.server import run_async
+    from kvshm.service.loop import run_async
 
     with CoordinatorChild(config) as coord:
         ps = coord.ps

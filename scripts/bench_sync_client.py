@@ -35,8 +35,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kvshm.core.specs import FullSpec, PoolConfig  # noqa: E402
 from kvshm.service import protocol as p  # noqa: E402
+from kvshm.service.framing import encode_frame  # noqa: E402
 from kvshm.service.process import CoordinatorProcess  # noqa: E402
-from kvshm.service.client import make_hello  # noqa: E402
+from kvshm.service.handshake import make_hello  # noqa: E402
 from kvshm.service.sync_client import connect_sync, open_wire_sync  # noqa: E402
 
 CONFIG = PoolConfig(num_blocks=4096, hash_block_size=16, max_model_len=4096,
@@ -105,7 +106,7 @@ class RawSession:
         self.wire = wire
 
     def _call(self, msg) -> None:
-        self.wire.send(p.encode_frame(msg))
+        self.wire.send(encode_frame(msg))
         reply = self.wire.receive(10)
         if reply.__class__ is p.Error:
             raise RuntimeError(reply.message)
@@ -157,7 +158,7 @@ def run(rounds: int) -> dict:
         raw_msgs = frames(RawSession(raw), "raw")
         rsock = raw.sock
         for name, msg in msgs.items():
-            frame = bytes(p.encode_frame(raw_msgs[name]))
+            frame = bytes(encode_frame(raw_msgs[name]))
 
             def echo_rt(sock=socks["echo"]):
                 sock.sendall(frame)

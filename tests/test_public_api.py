@@ -9,6 +9,11 @@ EXPECTED = {
     "MLASpec", "MambaSpec", "NoFreeBlocks", "PoolConfig", "PoolRefused", "PoolSegment", "Request",
     "RequestTableFull", "RequestTooLong", "SegmentError", "ShmSpaceError", "SinkFullSpec",
     "SlidingWindowSpec", "UnknownRequest", "check_segment", "hash_fingerprint",
+    # the clients and the service's errors
+    "Client", "connect", "SyncClient", "connect_sync", "BatchTooLarge", "ConnectionClosed",
+    "ConnectionLost", "Forbidden", "FrameTooLarge", "HandshakeError", "HandshakeRequired",
+    "HashMismatch", "InternalError", "NotOwner", "PoolInUse", "ProtocolError", "ReplyLost",
+    "RequestTimeout", "ResumeFailed", "SocketInUse", "VersionMismatch",
 }
 
 

@@ -32,7 +32,8 @@ from kvshm.service.errors import ConnectionLost, Forbidden, HashMismatch, NotOwn
 from kvshm.service.ipc_replay import replay_trace_ipc
 from kvshm.service.ops import OpExecutor
 from kvshm.service.process import CoordinatorProcess
-from kvshm.service.server import Coordinator, default_socket_path
+from kvshm.service.handshake import default_socket_path
+from kvshm.service.server import Coordinator
 
 TRACES = Path(__file__).parent / "data" / "conformance" / "traces"
 

@@ -22,6 +22,7 @@ from kvshm.core.errors import KvshmError
 from kvshm.core.hashing import hash_fingerprint
 from kvshm.core.segment import SHM_DIR, remove_segment, segment_info
 from kvshm.service import protocol as p
+from kvshm.service.framing import MAX_FRAME_BYTES, FrameReader, encode_frame
 from kvshm.service.client import connect
 from kvshm.service.errors import ConnectionLost, RequestTimeout
 from kvshm.service.process import CoordinatorProcess
@@ -59,7 +60,7 @@ class Raw:
         self.w.write(data)
 
     def send_msgs(self, *msgs) -> None:
-        self.w.write(b"".join(p.encode_frame(m) for m in msgs))
+        self.w.write(b"".join(encode_frame(m) for m in msgs))
 
     async def recv(self, timeout: float = 5.0):
         """The next reply, or None at EOF."""
@@ -73,7 +74,7 @@ class Raw:
 
     async def recv_many(self, n: int, timeout: float = 20.0) -> list:
         """The next n replies (read in bulk)."""
-        reader = p.FrameReader(2**31)
+        reader = FrameReader(2**31)
         out: list = []
 
         async def read():
@@ -144,7 +145,7 @@ def m(*fields) -> bytes:
 
 
 def f(msg) -> bytes:
-    return p.encode_frame(msg)
+    return encode_frame(msg)
 
 
 MINE = [f(p.AddRequest("mine", tokens(100, 130))), f(p.AllocateSlots("mine", 30))]
@@ -158,8 +159,8 @@ CASES = {
                       "FRAME_TOO_LARGE", "exceeds the limit", True),
     "garbage-after-handshake": (True, [], b"\xde\xad\xbe\xef" * 8,
                                 "FRAME_TOO_LARGE", "exceeds the limit", True),
-    "frame-over-limit": (True, [], (p.MAX_FRAME_BYTES + 1).to_bytes(4, "little") + b"\x90" * 64,
-                         "FRAME_TOO_LARGE", str(p.MAX_FRAME_BYTES), True),
+    "frame-over-limit": (True, [], (MAX_FRAME_BYTES + 1).to_bytes(4, "little") + b"\x90" * 64,
+                         "FRAME_TOO_LARGE", str(MAX_FRAME_BYTES), True),
     "not-msgpack": (True, [], frame(b"\xc1\xc1\xc1"), "BAD_MESSAGE", "malformed", False),
     "empty-body": (True, [], frame(b""), "BAD_MESSAGE", "truncated", False),
     "truncated-msgpack": (True, [], frame(b"\x92\xa5sta"), "BAD_MESSAGE", "truncated", False),
@@ -361,7 +362,7 @@ def test_error_fields_survive_the_wire_format():
             (e.FrameTooLarge(9000, 8192), {"size": 9000, "limit": 8192}),
             (e.SocketInUse("/tmp/s.sock"), {"path": "/tmp/s.sock"}),
             (e.PoolInUse("pool", 42), {"name": "pool", "pid": 42})]:
-        reply = decoder.decode(p.encode_frame(error_reply(None, err))[4:])
+        reply = decoder.decode(encode_frame(error_reply(None, err))[4:])
         got = e.error_from_wire(reply.code, reply.message, reply.fields)
         assert type(got) is type(err) and str(got) == str(err)
         assert {f: getattr(got, f) for f in type(err).fields} == want
@@ -373,8 +374,8 @@ def test_error_fields_survive_the_wire_format():
 def test_no_free_blocks_is_not_a_bad_argument():
     from kvshm.core.errors import InvalidArgument, NoFreeBlocks
     assert not issubclass(NoFreeBlocks, InvalidArgument)
-    from kvshm.service import protocol, errors
-    assert protocol.FrameTooLarge is errors.FrameTooLarge
+    from kvshm.service import errors, framing
+    assert framing.FrameTooLarge is errors.FrameTooLarge
 
 
 async def test_clients_get_the_fields_of_a_coordinator_s_errors(populated):
@@ -428,7 +429,7 @@ async def test_a_truncated_frame_then_close_releases_the_session(populated):
     for msg in (p.AddRequest("t1", tokens(200, 220)), p.AllocateSlots("t1", 20)):
         assert not isinstance(await raw.call(msg), p.Error)
     assert coord.mgr.num_free_blocks < before["free"]
-    body = p.encode_frame(p.GetStats())
+    body = encode_frame(p.GetStats())
     raw.send((100).to_bytes(4, "little") + body[:10])   # announces 100 bytes, sends 10
     await asyncio.sleep(0.05)
     assert welcome.session_id in coord.sessions          # still waiting for the rest
@@ -469,7 +470,7 @@ async def test_frames_before_an_oversized_header_are_still_answered(populated):
     raw = await Raw.open(coord.socket_path)
     try:
         await raw.hello()
-        raw.send(p.encode_frame(p.GetStats()) + (p.MAX_FRAME_BYTES + 1).to_bytes(4, "little"))
+        raw.send(encode_frame(p.GetStats()) + (MAX_FRAME_BYTES + 1).to_bytes(4, "little"))
         first = await raw.recv()
         assert isinstance(first, p.Stats), first
         second = await raw.recv()
@@ -665,7 +666,7 @@ def test_backpressure_bounds_the_coordinators_write_buffer(sockdir, loop):
 
     async def body(coord):
         before = snapshot(coord)
-        frames = [p.encode_frame(p.GetStats(i % 7)) for i in range(n)]
+        frames = [encode_frame(p.GetStats(i % 7)) for i in range(n)]
         raw, session, peak = await _flood_without_reading(coord, frames)
         try:
             assert not session.transport.is_reading()   # paused: not reading the flood
@@ -694,7 +695,7 @@ def test_backpressure_holds_for_replies_larger_than_requests(sockdir, loop):
 
     async def body(coord):
         raw, session, peak = await _flood_without_reading(
-            coord, [p.encode_frame(p.GetStats(4096))] * n)
+            coord, [encode_frame(p.GetStats(4096))] * n)
         try:
             assert peak <= 8 * 2**20, f"{peak:,} bytes buffered for {n} replies"
         finally:
@@ -759,7 +760,7 @@ def test_sigterm_with_a_client_that_stopped_reading():
         raw = await Raw.open(proc.socket)
         await raw.hello()
         raw.w.transport.pause_reading()
-        raw.send(p.encode_frame(p.GetStats(100)) * 20_000)
+        raw.send(encode_frame(p.GetStats(100)) * 20_000)
         await asyncio.sleep(0.3)
         proc.proc.send_signal(signal.SIGTERM)
         loop = asyncio.get_running_loop()

@@ -162,7 +162,7 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvshm.service.server import run_async
+    from kvshm.service.loop import run_async
 
     try:
         opts = options_from_args(args)

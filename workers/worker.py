@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.cpus:
             from workers.topology import parse_cpulist, pin
             pin(parse_cpulist(args.cpus))
-        from kvshm.service.server import run_async
+        from kvshm.service.loop import run_async
         return run_async(serve_worker(args))
     except Exception as e:   # noqa: BLE001 - reported to the launcher, not a traceback
         _emit("error", index=args.index, message=f"{type(e).__name__}: {e}")

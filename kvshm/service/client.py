@@ -1,14 +1,21 @@
-"""The asyncio client of the coordinator.
+"""The asyncio client of the coordinator: `connect()` returns a `Client`.
+
+    import kvshm
 
     async with await kvshm.connect("/run/kvshm/pool.sock") as c:
         await c.add_request("r1", prompt=tokens)
         hits, n = await c.get_computed_blocks("r1")
         new = await c.allocate_slots("r1", len(tokens) - n, n, use_computed_blocks=True)
 
-Replies come back in order, so calls can be pipelined from several tasks.
-A cancelled or timed-out call never leaves the connection half-read: its
-reply is read and discarded when it arrives.  The client survives a
-coordinator restart (see `connect(resume=...)` and kvshm/service/resume.py).
+`Client` has one method per operation of the protocol, `call` (one
+message), `batch` (several in one frame) and `close`; `open_wire` connects
+and handshakes.  Replies come back in order, so calls can be pipelined from
+several tasks.  A cancelled or timed-out call never leaves the connection
+half-read: its reply is read and discarded when it arrives.  The client
+survives a coordinator restart (see `connect(resume=...)` and
+kvshm/service/resume.py).  What it shares with the synchronous client
+(sync_client.py) is in handshake.py (the Hello, the Welcome, `SessionInfo`)
+and errors.py (`batch_results`).
 """
 
 from __future__ import annotations
@@ -21,31 +28,24 @@ from collections.abc import Sequence
 
 import msgspec
 
-from kvshm.core.hashing import (
-    DEFAULT_HASH_ALGORITHM,
-    DEFAULT_HASH_SEED,
-    BlockHasher,
-    hash_fingerprint,
-)
-from kvshm.core.specs import PoolConfig
-from kvshm.service import protocol as p
 from kvshm.core.errors import KvshmError
+from kvshm.core.hashing import DEFAULT_HASH_ALGORITHM, DEFAULT_HASH_SEED
+from kvshm.service import protocol as p
 from kvshm.service.errors import (
     ConnectionClosed,
     ConnectionLost,
-    Forbidden,
     FrameTooLarge,
     ProtocolError,
     ReplyLost,
     RequestTimeout,
     ResumeFailed,
+    batch_results,
     error_from_wire,
     raise_reply,
 )
+from kvshm.service.framing import REPLY_LIMIT_BYTES, FrameReader, encode_frame
+from kvshm.service.handshake import SessionInfo, check_welcome, make_hello
 from kvshm.service.resume import Reconnect, RequestMirror
-
-
-REPLY_LIMIT_BYTES = 2**30
 
 
 class _Wire(asyncio.Protocol):
@@ -55,7 +55,7 @@ class _Wire(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         # Replies can legitimately be large (a batch of block tables): the
         # client trusts its coordinator and only guards against nonsense.
-        self.reader = p.FrameReader(limit=REPLY_LIMIT_BYTES)
+        self.reader = FrameReader(limit=REPLY_LIMIT_BYTES)
         self.decoder = msgspec.msgpack.Decoder(p.ServerMessage)
         self.on_reply = None            # set by the client: reply -> None
         self.on_lost = None             # set by the client: exception -> None
@@ -118,36 +118,6 @@ class _Call:
         self.msg = msg
         self.frame = frame
         self.seq = 0
-
-
-class SessionInfo:
-    """What a session knows of its pool from the coordinator's Welcome; the
-    base of both clients (asyncio and synchronous)."""
-
-    def take_welcome(self, welcome: p.Welcome) -> None:
-        self.session_id = welcome.session_id
-        self.config = PoolConfig.from_json(welcome.config)
-        self.pool_segment = welcome.pool_segment
-        self.hash_fingerprint = welcome.hash_fingerprint
-        self.arena_segment = welcome.arena_segment
-        self.admin = welcome.admin
-        self.resume_token = welcome.resume_token
-        self.generation = welcome.generation
-
-    def make_hasher(self) -> BlockHasher | None:
-        """A hasher producing the pool's block hashes, for clients that hash
-        prompts themselves (send them with `block_hashes=`); None when the
-        pool does not cache."""
-        return self.config.block_hasher()
-
-    def attach_arena(self):
-        """Map the pool's KV data arena (a `kvshm.arena.KVArena`; close it
-        when done).  Raises SegmentError if the pool has none."""
-        from kvshm.arena import KVArena
-        from kvshm.core.errors import SegmentError
-        if not self.arena_segment:
-            raise SegmentError("this pool has no KV arena (its config has no kv shape)")
-        return KVArena.attach(self.arena_segment, self.config)
 
 
 class Client(SessionInfo):
@@ -226,7 +196,7 @@ class Client(SessionInfo):
         if self._lost is not None:
             raise self._lost
         fut = asyncio.get_running_loop().create_future()
-        call = _Call(fut, msg, p.encode_frame(msg))
+        call = _Call(fut, msg, encode_frame(msg))
         self._pending.append(call)
         if self._wire.lost is None and self._resumed.is_set():
             self._write(call)
@@ -348,7 +318,7 @@ class Client(SessionInfo):
     async def _send_now(self, msg) -> None:
         """One restore frame, ahead of the waiting calls; raises its errors."""
         fut = asyncio.get_running_loop().create_future()
-        call = _Call(fut, msg, p.encode_frame(msg))
+        call = _Call(fut, msg, encode_frame(msg))
         self._pending.appendleft(call)
         self._write(call)
         try:
@@ -373,11 +343,11 @@ class Client(SessionInfo):
     async def add_request(self, req: str, prompt: Sequence[int] | None = None, *,
                           block_hashes: list[bytes] | None = None, num_tokens: int = 0,
                           lora_name: str | None = None, cache_salt: str | None = None,
-                          skip_prefix_cache_read: bool = False,
+                          skip_reading_prefix_cache: bool = False,
                           timeout: float | None = None) -> None:
         await self.call(p.AddRequest(req, None if prompt is None else list(prompt),
                                      block_hashes, num_tokens, lora_name, cache_salt,
-                                     skip_prefix_cache_read), timeout)
+                                     skip_reading_prefix_cache), timeout)
 
     async def advance(self, req: str, num_computed_tokens: int,
                       append: Sequence[int] = (), *, append_hashes: list[bytes] = (),
@@ -476,46 +446,6 @@ async def connect(path: str | os.PathLike, *, tenant: str = "", node: int = -1,
                   (reconnect or Reconnect()) if resume else None)
 
 
-def batch_results(reply) -> list:
-    """The replies of a Batch frame.  Raises the error of a refused frame,
-    or of the op that failed (with `.results`, the replies before it, and
-    `.index` set)."""
-    if reply.__class__ is p.Error:
-        raise_reply(reply)
-    results = reply.results
-    if results and results[-1].__class__ is p.Error:
-        last = results[-1]
-        err = error_from_wire(last.code, last.message, last.fields)
-        err.results = results[:-1]
-        err.index = len(results) - 1
-        raise err
-    return results
-
-
-def check_welcome(reply) -> p.Welcome:
-    """The handshake's answer as a Welcome; a refusal raises its error."""
-    if reply.__class__ is p.Error:
-        raise_reply(reply)
-    if reply.__class__ is not p.Welcome:
-        raise ProtocolError(f"expected Welcome, got {type(reply).__name__}")
-    return reply
-
-
-def make_hello(path, *, tenant: str = "", node: int = -1, token: str | None = None,
-               admin: bool = False, admin_token: str | None = None,
-               hash_algorithm: str | None = DEFAULT_HASH_ALGORITHM,
-               hash_seed: str = DEFAULT_HASH_SEED) -> p.Hello:
-    """The handshake of a session (`connect()`'s arguments); `admin=True`
-    reads the admin token from beside the socket unless one is given, and
-    `hash_algorithm=None` takes the pool's hashing, whatever it is (the
-    client then hashes with `make_hasher()`)."""
-    if admin and admin_token is None:
-        admin_token = read_admin_token(path)
-    fingerprint = "" if hash_algorithm is None else hash_fingerprint(hash_algorithm, hash_seed)
-    return p.Hello(p.PROTOCOL_VERSION, os.getpid(), fingerprint, node, tenant, token or "",
-                   admin_token or "")
-
-
 async def open_wire(path, hello: p.Hello, timeout: float) -> tuple[_Wire, p.Welcome]:
     """Connect and handshake; the wire and its Welcome (errors raised)."""
     loop = asyncio.get_running_loop()
@@ -528,7 +458,7 @@ async def open_wire(path, hello: p.Hello, timeout: float) -> tuple[_Wire, p.Welc
         raise RequestTimeout(f"connecting to {path} took over {timeout}s") from None
     try:
         wire.handshake = loop.create_future()
-        wire.transport.write(p.encode_frame(hello))
+        wire.transport.write(encode_frame(hello))
         try:
             welcome = check_welcome(await asyncio.wait_for(wire.handshake, timeout))
         except asyncio.TimeoutError:
@@ -537,16 +467,3 @@ async def open_wire(path, hello: p.Hello, timeout: float) -> tuple[_Wire, p.Welc
         wire.transport.close()
         raise
     return wire, welcome
-
-
-def read_admin_token(socket_path: str | os.PathLike) -> str:
-    """The admin token a coordinator generated beside `socket_path`.
-    Raises Forbidden if it cannot be read (not this coordinator's user, or
-    the coordinator was given its admin token by --admin-token-file)."""
-    from kvshm.service.server import admin_token_path
-    path = admin_token_path(socket_path)
-    try:
-        with open(path) as f:
-            return f.read().strip()
-    except OSError as e:
-        raise Forbidden(f"cannot read the admin token {path}: {e.strerror}") from None

@@ -1,5 +1,6 @@
-"""Errors of the service layer, and the one table that maps a wire error code
-to its exception class on the client."""
+"""Errors of the service layer, the one table that maps a wire error code to
+its exception class on the client, and the turning of Error replies into
+exceptions (`raise_reply`, `batch_results`)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from kvshm.core.errors import (
     StaleHits,
     UnknownRequest,
 )
+from kvshm.service.protocol import Error
 
 
 class ProtocolError(KvshmError):
@@ -161,3 +163,19 @@ def error_from_wire(code: str, message: str,
 def raise_reply(reply) -> None:
     """Raise the exception of an `Error` reply (`protocol.Error`)."""
     raise error_from_wire(reply.code, reply.message, reply.fields)
+
+
+def batch_results(reply) -> list:
+    """The replies of a Batch frame.  Raises the error of a refused frame,
+    or of the op that failed (with `.results`, the replies before it, and
+    `.index` set)."""
+    if reply.__class__ is Error:
+        raise_reply(reply)
+    results = reply.results
+    if results and results[-1].__class__ is Error:
+        last = results[-1]
+        err = error_from_wire(last.code, last.message, last.fields)
+        err.results = results[:-1]
+        err.index = len(results) - 1
+        raise err
+    return results

@@ -16,8 +16,8 @@ from kvshm.core.segment import PoolSegment
 from kvshm.replay import Mismatch, TraceTranslator, check_reply, trace_pool_config
 from kvshm.service import protocol as p
 from kvshm.service.client import Client, connect
+from kvshm.service.loop import run_async
 from kvshm.service.process import CoordinatorProcess
-from kvshm.service.server import run_async
 
 async def replay_through(client: Client, ops: list[dict[str, Any]],
                          batch: int = 0) -> Mismatch | None:

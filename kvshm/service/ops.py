@@ -32,6 +32,7 @@ from kvshm.core.errors import (
 from kvshm.core.manager import KVCacheManager
 from kvshm.core.request import Request
 from kvshm.service import protocol as p
+from kvshm.service.framing import encode_frame
 from kvshm.service.errors import (
     BatchTooLarge,
     Forbidden,
@@ -245,7 +246,7 @@ class OpExecutor:
         mgr = self.mgr
         seq = owner.seq + 1
         mgr.begin_frame()
-        frame = p.encode_frame(self.execute(owner, msg))
+        frame = encode_frame(self.execute(owner, msg))
         if owner.record is not None:
             self.sessions.record_frame(owner.record, seq, frame)
         mgr.commit_frame()
@@ -319,12 +320,12 @@ class OpExecutor:
                                       f"max_model_len {max_len}")
             req = Request(rid, op.prompt, owner.hasher, lora_name=op.lora_name,
                           cache_salt=op.cache_salt,
-                          skip_reading_prefix_cache=op.skip_prefix_cache_read)
+                          skip_reading_prefix_cache=op.skip_reading_prefix_cache)
         else:
             check_count("num_tokens", op.num_tokens, max_len)
             req = Request.from_block_hashes(
                 rid, op.block_hashes, op.num_tokens, owner.hasher, lora_name=op.lora_name,
-                cache_salt=op.cache_salt, skip_reading_prefix_cache=op.skip_prefix_cache_read)
+                cache_salt=op.cache_salt, skip_reading_prefix_cache=op.skip_reading_prefix_cache)
         if held is not None:   # restoring a request taken over after a restart
             self._check_restore(req)
             held.request = req

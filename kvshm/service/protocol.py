@@ -1,6 +1,6 @@
-"""Every wire type of the coordinator protocol, and the framing.
+"""Every wire type of the coordinator protocol (framing is in framing.py).
 
-A frame is a 4-byte little-endian length followed by a msgpack body.  The
+Each frame's body is one of these msgpack-encoded Structs.  The
 client's first frame is `Hello`, answered by `Welcome` (or `Error`); after
 that every frame carries one operation (or a `Batch` of them) and is
 answered by exactly one frame, in order.  Errors are replies (`Error`), never
@@ -13,13 +13,9 @@ from typing import Union
 
 import msgspec
 
-from kvshm.service.errors import FrameTooLarge
-
 PROTOCOL_VERSION = 4   # 2: Welcome.arena_segment, Admit; 3: admin and resumable sessions;
                        # 4: Error.fields
-MAX_FRAME_BYTES = 8 * 2**20
 MAX_BATCH_OPS = 4096
-_LEN = 4
 
 
 class _Op(msgspec.Struct, frozen=True, array_like=True, gc=False, tag_field="op"):
@@ -71,7 +67,7 @@ class AddRequest(_Op, tag="add"):
     num_tokens: int = 0
     lora_name: str | None = None
     cache_salt: str | None = None
-    skip_prefix_cache_read: bool = False
+    skip_reading_prefix_cache: bool = False
 
 
 class Advance(_Op, tag="advance"):
@@ -147,9 +143,10 @@ class GetStats(_Op, tag="stats"):
     free_head: int = 0   # also return this many free-queue ids (eviction order)
 
 
-Op = Union[AddRequest, Advance, GetComputedBlocks, AllocateSlots, Admit, CacheBlocks, Free,
-           RemoveSkippedBlocks, GetBlockIds, NumCommonPrefixBlocks, ResetPrefixCache,
-           EvictBlocks, GetStats]
+OPS = (AddRequest, Advance, GetComputedBlocks, AllocateSlots, Admit, CacheBlocks, Free,
+       RemoveSkippedBlocks, GetBlockIds, NumCommonPrefixBlocks, ResetPrefixCache,
+       EvictBlocks, GetStats)
+Op = Union[OPS]
 
 
 class Batch(_Op, tag="batch"):
@@ -159,9 +156,8 @@ class Batch(_Op, tag="batch"):
     ops: list[Op]
 
 
-Message = Union[Hello, Batch, AddRequest, Advance, GetComputedBlocks, AllocateSlots,
-                Admit, CacheBlocks, Free, RemoveSkippedBlocks, GetBlockIds,
-                NumCommonPrefixBlocks, ResetPrefixCache, EvictBlocks, GetStats]
+# What a client sends: the handshake, a batch, or one operation.
+Message = Union[(Hello, Batch, *OPS)]
 
 
 # -- replies ------------------------------------------------------------------------------
@@ -234,8 +230,9 @@ class Shutdown(_Op, tag="shutdown"):
     reason: str = ""
 
 
-Reply = Union[Done, ComputedBlocks, Allocated, Admitted, FreeBlocks, BlockIds, CommonPrefix,
-              ResetResult, Stats, Error]
+REPLIES = (Done, ComputedBlocks, Allocated, Admitted, FreeBlocks, BlockIds, CommonPrefix,
+           ResetResult, Stats, Error)
+Reply = Union[REPLIES]
 
 
 class BatchReply(_Op, tag="batch"):
@@ -245,67 +242,5 @@ class BatchReply(_Op, tag="batch"):
     results: list[Reply]
 
 
-ServerMessage = Union[Welcome, BatchReply, Done, ComputedBlocks, Allocated, Admitted,
-                      FreeBlocks, BlockIds, CommonPrefix, ResetResult, Stats, Error, Shutdown]
-
-
-# -- framing --------------------------------------------------------------------------
-_encoder = msgspec.msgpack.Encoder()
-
-
-def encode_frame(msg: msgspec.Struct) -> bytearray:
-    """Length prefix + msgpack body, encoded in place."""
-    buf = bytearray(_LEN)
-    _encoder.encode_into(msg, buf, _LEN)
-    buf[:_LEN] = (len(buf) - _LEN).to_bytes(_LEN, "little")
-    return buf
-
-
-class FrameReader:
-    """Incremental frame splitter: feed bytes, get complete bodies.
-
-    When a header announces a frame over `limit`, the complete frames before
-    it are still returned and `broken` is set (a FrameTooLarge): the stream
-    cannot be resynchronised after it.
-    """
-
-    __slots__ = ("_buf", "limit", "broken")
-
-    def __init__(self, limit: int = MAX_FRAME_BYTES) -> None:
-        self._buf = bytearray()
-        self.limit = limit
-        self.broken: FrameTooLarge | None = None
-
-    def feed(self, data: bytes) -> list[bytes | memoryview]:
-        if self.broken is not None:
-            return []
-        buf = self._buf
-        if not buf and len(data) >= _LEN:
-            # Fast path: exactly one whole frame arrived (the common case for
-            # request/reply traffic): no copy.
-            size = int.from_bytes(data[:_LEN], "little")
-            if size + _LEN == len(data) and size <= self.limit:
-                return [memoryview(data)[_LEN:]]
-        buf += data
-        out = []
-        pos = 0
-        n = len(buf)
-        while n - pos >= _LEN:
-            size = int.from_bytes(buf[pos:pos + _LEN], "little")
-            if size > self.limit:
-                self.broken = FrameTooLarge(size, self.limit)
-                buf.clear()
-                return out
-            end = pos + _LEN + size
-            if end > n:
-                break
-            out.append(bytes(buf[pos + _LEN:end]))
-            pos = end
-        if pos:
-            del buf[:pos]
-        return out
-
-    @property
-    def pending(self) -> int:
-        """Bytes of an incomplete frame held back."""
-        return len(self._buf)
+# What the coordinator sends: the handshake's answer, a reply, or its goodbye.
+ServerMessage = Union[(Welcome, BatchReply, *REPLIES, Shutdown)]

@@ -48,7 +48,7 @@ class _Req:
         self.num_tokens = len(self.tokens) if self.tokens is not None else op.num_tokens
         self.lora_name = op.lora_name
         self.cache_salt = op.cache_salt
-        self.skip = op.skip_prefix_cache_read
+        self.skip = op.skip_reading_prefix_cache
         self.computed = 0
 
 

@@ -38,6 +38,8 @@ from kvshm.service.errors import (
     VersionMismatch,
 )
 from kvshm.service.adoption import adopt_pool, create_pool
+from kvshm.service.framing import MAX_FRAME_BYTES, FrameReader, encode_frame
+from kvshm.service.handshake import admin_token_path
 from kvshm.service.ops import OpExecutor, Owner
 from kvshm.service.process import early_stop_requested
 from kvshm.service.sessions import DEFAULT_RESUME_GRACE
@@ -53,7 +55,7 @@ class Session(asyncio.Protocol):
         self.coord = coord
         self.id = 0
         self.transport: asyncio.Transport | None = None
-        self.reader = p.FrameReader(coord.max_frame_bytes)
+        self.reader = FrameReader(coord.max_frame_bytes)
         self.hello: p.Hello | None = None
         self.owner: Owner | None = None     # set by the handshake
         self.peer_pid = 0
@@ -71,7 +73,7 @@ class Session(asyncio.Protocol):
                                     struct.calcsize("3i"))
             self.peer_pid, uid, _gid = struct.unpack("3i", creds)
             if uid != os.getuid() and not self.coord.allow_other_uids:
-                self._reply(p.encode_frame(p.Error(
+                self._reply(encode_frame(p.Error(
                     Forbidden.code, f"peer uid {uid} is not this coordinator's uid "
                     f"{os.getuid()} (serve with --allow-other-uids)")))
                 transport.close()
@@ -116,7 +118,7 @@ class Session(asyncio.Protocol):
             self.transport.write(frame)
 
     def _fatal(self, err: KvshmError) -> None:
-        self._reply(p.encode_frame(p.Error(err.code, str(err), err.wire_fields())))
+        self._reply(encode_frame(p.Error(err.code, str(err), err.wire_fields())))
         self.transport.close()
 
 
@@ -141,7 +143,7 @@ class Coordinator:
     def __init__(self, config: PoolConfig, *, name: str, socket_path: str | Path,
                  token: str | None = None, admin_token: str | None = None,
                  allow_other_uids: bool = False,
-                 max_frame_bytes: int = p.MAX_FRAME_BYTES,
+                 max_frame_bytes: int = MAX_FRAME_BYTES,
                  max_batch_ops: int = p.MAX_BATCH_OPS,
                  write_buffer_high: int = 4 * 2**20, adopt: bool = False,
                  resume_grace: float = DEFAULT_RESUME_GRACE) -> None:
@@ -215,7 +217,7 @@ class Coordinator:
         the pool and unlink the segment and the socket."""
         if self._server is not None:
             self._server.close()
-            bye = p.encode_frame(p.Shutdown("the coordinator stopped"))
+            bye = encode_frame(p.Shutdown("the coordinator stopped"))
             for s in list(self.sessions.values()):
                 if s.transport is not None and not s.transport.is_closing():
                     s.transport.write(bye)
@@ -264,19 +266,19 @@ class Coordinator:
         try:
             msg = self._decoder.decode(body)
         except msgspec.DecodeError as e:  # ValidationError included: it names the path
-            return p.encode_frame(p.Error(ProtocolError.code, f"bad message: {e}"))
+            return encode_frame(p.Error(ProtocolError.code, f"bad message: {e}"))
         if s.owner is None:
             if msg.__class__ is not p.Hello:
-                return p.encode_frame(p.Error(HandshakeRequired.code,
+                return encode_frame(p.Error(HandshakeRequired.code,
                                               "the first message must be Hello"))
             reply = self._handshake(s, msg)
             if reply.__class__ is p.Error:  # no second guess on this connection
-                s.transport.write(p.encode_frame(reply))
+                s.transport.write(encode_frame(reply))
                 s.transport.close()
                 return None
-            return p.encode_frame(reply)
+            return encode_frame(reply)
         if msg.__class__ is p.Hello:
-            return p.encode_frame(p.Error(ProtocolError.code, "Hello was already received"))
+            return encode_frame(p.Error(ProtocolError.code, "Hello was already received"))
         return self.executor.execute_frame(s.owner, msg)
 
     def _handshake(self, s: Session, hello: p.Hello) -> msgspec.Struct:
@@ -335,18 +337,6 @@ def _socket_answers(path: Path) -> bool:
         return False
     finally:
         probe.close()
-
-
-def default_socket_path(name: str) -> Path:
-    """$XDG_RUNTIME_DIR/kvshm/<name>.sock, else /tmp/kvshm-<uid>/<name>.sock."""
-    base = os.environ.get("XDG_RUNTIME_DIR")
-    root = Path(base) / "kvshm" if base else Path(f"/tmp/kvshm-{os.getuid()}")
-    return root / f"{name}.sock"
-
-
-def admin_token_path(socket_path: str | Path) -> Path:
-    """Where a coordinator on `socket_path` writes its generated admin token."""
-    return Path(f"{socket_path}.admin-token")
 
 
 def _read_token(path: Path) -> str:
@@ -432,9 +422,3 @@ async def serve(config: PoolConfig, *, name: str, socket_path: str | Path,
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
         await coord.stop()
-
-
-def run_async(coro):
-    """Run `coro` to completion on uvloop (the coordinator's event loop)."""
-    import uvloop
-    return uvloop.run(coro)

@@ -29,13 +29,6 @@ import msgspec
 from kvshm.core.errors import KvshmError
 from kvshm.core.hashing import DEFAULT_HASH_ALGORITHM, DEFAULT_HASH_SEED
 from kvshm.service import protocol as p
-from kvshm.service.client import (
-    REPLY_LIMIT_BYTES,
-    SessionInfo,
-    batch_results,
-    check_welcome,
-    make_hello,
-)
 from kvshm.service.errors import (
     ConnectionClosed,
     ConnectionLost,
@@ -43,9 +36,12 @@ from kvshm.service.errors import (
     ReplyLost,
     RequestTimeout,
     ResumeFailed,
+    batch_results,
     error_from_wire,
     raise_reply,
 )
+from kvshm.service.framing import REPLY_LIMIT_BYTES, FrameReader, encode_frame
+from kvshm.service.handshake import SessionInfo, check_welcome, make_hello
 from kvshm.service.resume import Reconnect, RequestMirror
 
 _RECV_BYTES = 1 << 16
@@ -56,7 +52,7 @@ class _Wire:
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
-        self.reader = p.FrameReader(limit=REPLY_LIMIT_BYTES)
+        self.reader = FrameReader(limit=REPLY_LIMIT_BYTES)
         self.decoder = msgspec.msgpack.Decoder(p.ServerMessage)
         self._ready: list = []
         self._timeout: float | None = sock.gettimeout()
@@ -120,7 +116,7 @@ def open_wire_sync(path, hello: p.Hello, timeout: float) -> tuple[_Wire, p.Welco
             raise RequestTimeout(f"connecting to {path} took over {timeout}s") from None
         sock.settimeout(None)
         wire = _Wire(sock)
-        wire.send(p.encode_frame(hello))
+        wire.send(encode_frame(hello))
         try:
             welcome = check_welcome(wire.receive(timeout))
         except RequestTimeout:
@@ -183,7 +179,7 @@ class SyncClient(SessionInfo):
         """Send one message and return its reply struct as it is (an `Error`
         reply is returned, not raised).  A coordinator restart meanwhile is
         ridden through (see the module docstring)."""
-        frame = p.encode_frame(msg)
+        frame = encode_frame(msg)
         while True:
             seq = 0
             if self._lost is not None:
@@ -283,7 +279,7 @@ class SyncClient(SessionInfo):
         self._seq = welcome.last_seq
         self.resumed_requests += len(self.requests)
         for frame in self.requests.restore_frames(welcome.requests):
-            self._send(p.encode_frame(frame))
+            self._send(encode_frame(frame))
             reply = wire.receive(policy.connect_timeout)
             for r in (reply.results if reply.__class__ is p.BatchReply else (reply,)):
                 if r.__class__ is p.Error:
@@ -298,9 +294,9 @@ class SyncClient(SessionInfo):
     def add_request(self, req: str, prompt: Sequence[int] | None = None, *,
                     block_hashes: list[bytes] | None = None, num_tokens: int = 0,
                     lora_name: str | None = None, cache_salt: str | None = None,
-                    skip_prefix_cache_read: bool = False, timeout: float | None = None) -> None:
+                    skip_reading_prefix_cache: bool = False, timeout: float | None = None) -> None:
         self.call(p.AddRequest(req, None if prompt is None else list(prompt), block_hashes,
-                               num_tokens, lora_name, cache_salt, skip_prefix_cache_read),
+                               num_tokens, lora_name, cache_salt, skip_reading_prefix_cache),
                   timeout)
 
     def advance(self, req: str, num_computed_tokens: int, append: Sequence[int] = (), *,

@@ -143,7 +143,7 @@ class PoolBinding:
         KVSHM_CONNECT_TIMEOUT seconds (30)."""
         if self.client is None:
             from kvshm.service.errors import ConnectionLost, RequestTimeout
-            from kvshm.service.server import default_socket_path
+            from kvshm.service.handshake import default_socket_path
             from kvshm.service.sync_client import connect_sync
             t = self.target
             path = t if ("/" in t or t.endswith(".sock")) else default_socket_path(t)

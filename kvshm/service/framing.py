@@ -1,0 +1,76 @@
+"""Framing of the coordinator protocol: a 4-byte little-endian length, then
+a msgpack body (one of the Structs of protocol.py).
+
+Frames over the receiver's limit (MAX_FRAME_BYTES for the coordinator) end
+the stream: it cannot be resynchronised after a bad length.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from kvshm.service.errors import FrameTooLarge
+
+MAX_FRAME_BYTES = 8 * 2**20     # what the coordinator accepts
+REPLY_LIMIT_BYTES = 2**30       # what a client accepts (a stats reply can be large)
+LENGTH_BYTES = 4
+
+_encoder = msgspec.msgpack.Encoder()
+
+
+def encode_frame(msg: msgspec.Struct) -> bytearray:
+    """Length prefix + msgpack body, encoded in place."""
+    buf = bytearray(LENGTH_BYTES)
+    _encoder.encode_into(msg, buf, LENGTH_BYTES)
+    buf[:LENGTH_BYTES] = (len(buf) - LENGTH_BYTES).to_bytes(LENGTH_BYTES, "little")
+    return buf
+
+
+class FrameReader:
+    """Incremental frame splitter: feed bytes, get complete bodies.
+
+    When a header announces a frame over `limit`, the complete frames before
+    it are still returned and `broken` is set (a FrameTooLarge): the stream
+    cannot be resynchronised after it.
+    """
+
+    __slots__ = ("_buf", "limit", "broken")
+
+    def __init__(self, limit: int = MAX_FRAME_BYTES) -> None:
+        self._buf = bytearray()
+        self.limit = limit
+        self.broken: FrameTooLarge | None = None
+
+    def feed(self, data: bytes) -> list[bytes | memoryview]:
+        if self.broken is not None:
+            return []
+        buf = self._buf
+        if not buf and len(data) >= LENGTH_BYTES:
+            # Fast path: exactly one whole frame arrived (the common case for
+            # request/reply traffic): no copy.
+            size = int.from_bytes(data[:LENGTH_BYTES], "little")
+            if size + LENGTH_BYTES == len(data) and size <= self.limit:
+                return [memoryview(data)[LENGTH_BYTES:]]
+        buf += data
+        out = []
+        pos = 0
+        n = len(buf)
+        while n - pos >= LENGTH_BYTES:
+            size = int.from_bytes(buf[pos:pos + LENGTH_BYTES], "little")
+            if size > self.limit:
+                self.broken = FrameTooLarge(size, self.limit)
+                buf.clear()
+                return out
+            end = pos + LENGTH_BYTES + size
+            if end > n:
+                break
+            out.append(bytes(buf[pos + LENGTH_BYTES:end]))
+            pos = end
+        if pos:
+            del buf[:pos]
+        return out
+
+    @property
+    def pending(self) -> int:
+        """Bytes of an incomplete frame held back."""
+        return len(self._buf)
