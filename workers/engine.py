@@ -20,8 +20,9 @@ import asyncio
 import random
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from collections.abc import Iterable
 
+import msgspec
 import numpy as np
 
 from kvshm.core.specs import FullSpec, MLASpec, PoolConfig, SlidingWindowSpec
@@ -53,8 +54,7 @@ def check_supported(config: PoolConfig) -> None:
                                "engines; the CPU worker computes into a \"blocks\" arena")
 
 
-@dataclass
-class EngineOptions:
+class EngineOptions(msgspec.Struct, frozen=True, kw_only=True):
     token_budget: int = 512          # tokens scheduled per step
     max_running: int = 16
     verify_hits: float = 1.0          # fraction of hit blocks whose K/V are checked
@@ -63,8 +63,11 @@ class EngineOptions:
     sample_seed: int = 0              # which blocks / steps get sampled
 
 
-@dataclass
-class EngineStats:
+class EngineStats(msgspec.Struct, kw_only=True):
+    """One worker's figures.  Counters and seconds add up over workers
+    (`a + b`, `EngineStats.total(many)`), the per-step samples concatenate,
+    and `first_error` is the first one seen."""
+
     finished: int = 0
     aborted: int = 0
     rejected: int = 0                 # longer than the model or the whole pool: never admitted
@@ -79,7 +82,7 @@ class EngineStats:
     hit_mismatches: int = 0           # hit blocks whose K/V differed (must stay 0)
     decode_checks: int = 0
     decode_mismatches: int = 0        # paged attention != contiguous recompute
-    batch_us: list[int] = field(default_factory=list)   # each step's batch round trip
+    batch_us: list[int] = []          # each step's batch round trip
     coord_s: float = 0.0              # waiting for the coordinator (every batch)
     # CPU seconds (not wall: on an oversubscribed host wall time counts the
     # other processes' turns too)
@@ -92,11 +95,27 @@ class EngineStats:
     requests_resumed: int = 0         # requests taken back after a restart
     requests_lost: int = 0            # ... and those that could not be (recomputed)
     recomputed_tokens: int = 0        # computed tokens given up because of restarts
-    stalls_ms: list[int] = field(default_factory=list)   # loss -> resumed, per restart
+    stalls_ms: list[int] = []         # loss -> resumed, per restart
 
     @property
     def integrity_failures(self) -> int:
         return self.hit_mismatches + self.decode_mismatches
+
+    def __add__(self, other: "EngineStats") -> "EngineStats":
+        summed = {}
+        for name in self.__struct_fields__:
+            a, b = getattr(self, name), getattr(other, name)
+            summed[name] = (a or b) if isinstance(a, str) else a + b
+        return EngineStats(**summed)
+
+    @classmethod
+    def total(cls, stats: Iterable["EngineStats"]) -> "EngineStats":
+        """The figures of several workers together."""
+        return sum(stats, cls())
+
+    def without_samples(self) -> "EngineStats":
+        """A copy without the per-step samples (for progress reports)."""
+        return msgspec.structs.replace(self, batch_us=[], stalls_ms=[])
 
 
 class Seq:

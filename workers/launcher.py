@@ -4,7 +4,8 @@ N pinned CPU workers on a shared workload, show live progress, print a summary.
 One run is a `Launch`: coordinator(s) as `kvshm serve` children, workers as
 `python -m workers.worker` children (each in its own session, so Ctrl-C
 reaches only this process, which stops the workers, then the coordinators),
-their JSON lines merged into progress and a final `RunResult`.  `--isolated`
+their reports (workers/channel.py) merged into progress and a final
+`RunResult`.  `--isolated`
 gives each worker a private pool of total/N blocks, as N separate engines
 have today; `--compare` runs both and prints them side by side.
 """
@@ -12,29 +13,38 @@ have today; `--compare` runs both and prints them side by side.
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+
+import msgspec
 
 from kvshm.core.hashing import DEFAULT_HASH_ALGORITHM, DEFAULT_HASH_SEED
 from kvshm.core.specs import PoolConfig
 from kvshm.service.process import die_with_parent
+from workers.channel import (
+    Done,
+    Failed,
+    Progress,
+    Ready,
+    WorkerSpec,
+    WorkloadSpec,
+    read_report,
+)
+from workers.engine import EngineOptions, EngineStats
 from workers.topology import (
     Node,
     Plan,
     allowed_cpus,
     discover,
-    format_cpulist,
     pin,
     plan,
 )
 
 
-@dataclass
-class WorkerResult:
+class WorkerResult(msgspec.Struct, kw_only=True):
     index: int
     cpus: tuple[int, ...]
     pid: int = 0
@@ -42,79 +52,72 @@ class WorkerResult:
     affinity: tuple[int, ...] = ()   # what the worker reports after pinning itself
     status: str = "starting"     # running, done, killed (by --kill-worker), died, error
     message: str = ""
-    stats: dict = field(default_factory=dict)   # the `done` report, else the last progress
+    seconds: float = 0.0         # how long it ran (from its Done report)
+    stats: EngineStats = msgspec.field(default_factory=EngineStats)
+    # ^ the Done report's figures, else the last Progress report's
+
+    def to_dict(self) -> dict:
+        stats = msgspec.to_builtins(self.stats)
+        del stats["batch_us"]
+        return {"index": self.index, "cpus": list(self.cpus), "affinity": list(self.affinity),
+                "pid": self.pid, "session": self.session, "status": self.status,
+                "message": self.message, **stats,
+                "integrity_failures": self.stats.integrity_failures, "seconds": self.seconds}
 
 
-@dataclass
-class RunResult:
+class RunResult(msgspec.Struct, kw_only=True):
     mode: str                     # shared | isolated
     config: PoolConfig
     workers: list[WorkerResult]
     seconds: float = 0.0
-    pools: list[dict] = field(default_factory=list)   # per coordinator, after the run
+    pools: list[dict] = []        # per coordinator, after the run
     interrupted: bool = False
-    restarts: list[dict] = field(default_factory=list)   # the coordinators' restarts
+    restarts: list[dict] = []     # the coordinators' restarts
+
+    @property
+    def totals(self) -> EngineStats:
+        """The workers' figures summed."""
+        return EngineStats.total(w.stats for w in self.workers)
 
     @property
     def stalls_ms(self) -> list[int]:
         """Every worker's stall per coordinator restart (loss -> resumed)."""
-        return sorted(ms for w in self.workers for ms in w.stats.get("stalls_ms", ()))
-
-    def total(self, key: str):
-        return total(self.workers, key)
+        return sorted(self.totals.stalls_ms)
 
     @property
     def hit_rate(self) -> float:
-        prompt = self.total("prompt_tokens")
-        return self.total("hit_tokens") / prompt if prompt else 0.0
+        t = self.totals
+        return t.hit_tokens / t.prompt_tokens if t.prompt_tokens else 0.0
 
     @property
     def latencies(self) -> list[int]:
-        return sorted(us for w in self.workers for us in w.stats.get("batch_us", ()))
-
-    @property
-    def integrity_failures(self) -> int:
-        return self.total("integrity_failures")
+        return sorted(self.totals.batch_us)
 
     def to_dict(self) -> dict:
-        lat = self.latencies
+        t = self.totals
+        lat = sorted(t.batch_us)
+        stalls = sorted(t.stalls_ms)
         return {
             "mode": self.mode, "seconds": self.seconds, "interrupted": self.interrupted,
             "num_blocks": self.config.num_blocks,
-            "requests": self.total("finished"), "aborted": self.total("aborted"),
-            "rejected": self.total("rejected"),
-            "prompt_tokens": self.total("prompt_tokens"),
-            "generated_tokens": self.total("generated_tokens"),
-            "hit_tokens": self.total("hit_tokens"), "hit_rate": self.hit_rate,
-            "cross_hit_tokens": self.total("cross_hit_tokens"),
-            "computed_tokens": self.total("computed_tokens"),
-            "preemptions": self.total("preemptions"),
-            "kv_s": self.total("kv_s"), "attention_s": self.total("attention_s"),
-            "check_s": self.total("check_s"),
-            "coord_s": self.total("coord_s"),
-            "hit_blocks_checked": self.total("hit_blocks_checked"),
-            "hit_mismatches": self.total("hit_mismatches"),
-            "decode_checks": self.total("decode_checks"),
-            "decode_mismatches": self.total("decode_mismatches"),
+            "requests": t.finished, "aborted": t.aborted, "rejected": t.rejected,
+            "prompt_tokens": t.prompt_tokens, "generated_tokens": t.generated_tokens,
+            "hit_tokens": t.hit_tokens, "hit_rate": self.hit_rate,
+            "cross_hit_tokens": t.cross_hit_tokens, "computed_tokens": t.computed_tokens,
+            "preemptions": t.preemptions,
+            "kv_s": t.kv_s, "attention_s": t.attention_s, "check_s": t.check_s,
+            "coord_s": t.coord_s,
+            "hit_blocks_checked": t.hit_blocks_checked, "hit_mismatches": t.hit_mismatches,
+            "decode_checks": t.decode_checks, "decode_mismatches": t.decode_mismatches,
             "step_batch_us_p50": percentile(lat, 50), "step_batch_us_p99": percentile(lat, 99),
             "coordinator_restarts": len(self.restarts), "restarts": self.restarts,
-            "requests_resumed": self.total("requests_resumed"),
-            "requests_lost": self.total("requests_lost"),
-            "recomputed_tokens": self.total("recomputed_tokens"),
-            "stall_ms_p50": percentile(self.stalls_ms, 50),
-            "stall_ms_max": self.stalls_ms[-1] if self.stalls_ms else None,
+            "requests_resumed": t.requests_resumed, "requests_lost": t.requests_lost,
+            "recomputed_tokens": t.recomputed_tokens,
+            "stall_ms_p50": percentile(stalls, 50),
+            "stall_ms_max": stalls[-1] if stalls else None,
             "pools": self.pools,
-            "workers": [{"index": w.index, "cpus": list(w.cpus), "affinity": list(w.affinity),
-                         "pid": w.pid, "session": w.session,
-                         "status": w.status, "message": w.message,
-                         **{k: v for k, v in w.stats.items() if k != "batch_us"}}
-                        for w in self.workers],
+            "workers": [w.to_dict() for w in self.workers],
         }
-
-
-def total(workers: list[WorkerResult], key: str):
-    """A figure summed over the workers' latest reports."""
-    return sum(w.stats.get(key, 0) for w in workers)
 
 
 def percentile(sorted_values: list, q: float):
@@ -133,8 +136,8 @@ class LaunchOptions:
     connect: str | None = None            # join this coordinator's socket
     hash_algorithm: str = DEFAULT_HASH_ALGORITHM   # with `connect`: the pool's hashing
     hash_seed: str = DEFAULT_HASH_SEED
-    workload: dict = field(default_factory=lambda: {"kind": "synthetic"})
-    engine: dict = field(default_factory=dict)   # EngineOptions fields
+    workload: WorkloadSpec = WorkloadSpec()
+    engine: EngineOptions = EngineOptions()
     pin: bool = True
     kill_worker: int | None = None
     kill_after: float = 5.0
@@ -155,7 +158,8 @@ class Launch:
         self.coordinators = []
         self.sockets: list[str] = []
         self.procs: list[asyncio.subprocess.Process] = []
-        self.results = [WorkerResult(i, tuple(n.cpus)) for i, n in enumerate(cpu_plan.workers)]
+        self.results = [WorkerResult(index=i, cpus=tuple(n.cpus))
+                        for i, n in enumerate(cpu_plan.workers)]
         self.interrupted = asyncio.Event()
         self.config = opts.config
         self.pool_names: list[str] = []      # the joined pool's segment (--connect)
@@ -274,14 +278,12 @@ class Launch:
         threads = str(max(1, len(node.cpus)))
         env = {**os.environ, "OPENBLAS_NUM_THREADS": threads, "OMP_NUM_THREADS": threads,
                "MKL_NUM_THREADS": threads}
-        args = [sys.executable, "-m", "workers.worker", "--socket", self.sockets[i],
-                "--index", str(i), "--num-workers", str(opts.num_workers),
-                "--node", str(node.id), "--workload", json.dumps(opts.workload),
-                "--options", json.dumps(opts.engine), "--hash", json.dumps(self._hash()),
-                "--duration", str(opts.duration), "--grace", str(opts.grace),
-                "--reconnect-timeout", str(opts.reconnect_timeout)]
-        if opts.pin:
-            args += ["--cpus", format_cpulist(node.cpus)]
+        spec = WorkerSpec(
+            socket=self.sockets[i], index=i, num_workers=opts.num_workers, node=node.id,
+            cpus=tuple(node.cpus) if opts.pin else (), workload=opts.workload,
+            engine=opts.engine, **self._hash(), duration=opts.duration, grace=opts.grace,
+            reconnect_timeout=opts.reconnect_timeout)
+        args = [sys.executable, "-m", "workers.worker", spec.encode()]
         return await asyncio.create_subprocess_exec(
             *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env,
             start_new_session=True, limit=2**26, preexec_fn=die_with_parent)
@@ -293,19 +295,20 @@ class Launch:
         stderr_task = asyncio.ensure_future(proc.stderr.read())
         async for line in proc.stdout:
             try:
-                msg = json.loads(line)
-            except ValueError:
+                report = read_report(line)
+            except msgspec.ValidationError as e:   # a worker of another version?
+                res.status, res.message = "error", f"unreadable report: {e}"
                 continue
-            event = msg.pop("event", "")
-            if event == "ready":
-                res.session = msg.get("session", 0)
-                res.affinity = tuple(msg.get("cpus", ()))
-            elif event == "progress":
-                res.stats = msg
-            elif event == "done":
-                res.stats, res.status = msg, "done"
-            elif event == "error":
-                res.status, res.message = "error", msg.get("message", "")
+            if res.status == "error":   # after an unreadable report: the run has failed
+                continue
+            if isinstance(report, Ready):
+                res.session, res.affinity = report.session, report.cpus
+            elif isinstance(report, Progress):
+                res.stats = report.stats
+            elif isinstance(report, Done):
+                res.stats, res.seconds, res.status = report.stats, report.seconds, "done"
+            elif isinstance(report, Failed):
+                res.status, res.message = "error", report.message
         code = await proc.wait()
         after = f" {time.monotonic() - self._t0:.1f}s into the run" if self._t0 else ""
         err = (await stderr_task).decode(errors="replace").strip()
@@ -365,8 +368,9 @@ class Launch:
             await asyncio.to_thread(self.stop_coordinators)
         if self.opts.live:
             self.out.write("\n" if self.out.isatty() else "")
-        return RunResult(self.mode, self.config, self.results, seconds, pools,
-                         self.interrupted.is_set(), self.restarts)
+        return RunResult(mode=self.mode, config=self.config, workers=self.results,
+                         seconds=seconds, pools=pools, interrupted=self.interrupted.is_set(),
+                         restarts=self.restarts)
 
     async def _coordinators_up(self, timeout: float = 30.0) -> None:
         """Wait (bounded) for the supervisor to bring a killed coordinator back."""
@@ -420,19 +424,18 @@ class Launch:
             self.out.flush()
 
     def _status(self, elapsed: float) -> str:
-        def tot(key):
-            return total(self.results, key)
-        prompt = tot("prompt_tokens")
-        hit = tot("hit_tokens")
-        tokens = tot("computed_tokens") + hit
+        t = EngineStats.total(w.stats for w in self.results)
+        prompt = t.prompt_tokens
+        hit = t.hit_tokens
+        tokens = t.computed_tokens + hit
         usage = self._pool_usage()
         running = sum(1 for w in self.results if w.status == "running")
         return (f"[{self.mode} {elapsed:5.1f}s] workers {running}/{len(self.results)} | "
-                f"requests {tot('finished'):,} | {tokens / max(elapsed, 1e-9):,.0f} tok/s "
+                f"requests {t.finished:,} | {tokens / max(elapsed, 1e-9):,.0f} tok/s "
                 f"served | "
                 f"hit {hit / prompt if prompt else 0:.1%} (cross-worker "
-                f"{tot('cross_hit_tokens'):,} tok) | pool {usage} | "
-                f"preempt {tot('preemptions')} | mismatches {tot('integrity_failures')}  ")
+                f"{t.cross_hit_tokens:,} tok) | pool {usage} | "
+                f"preempt {t.preemptions} | mismatches {t.integrity_failures}  ")
 
     def _pool_usage(self) -> str:
         from kvshm.core.segment import PoolSegment

@@ -16,6 +16,8 @@ from pathlib import Path
 from kvshm.config import RUN_KV_MEMORY, PoolSource, pool_bytes, resolve_config
 from kvshm.core.errors import KvshmError
 from kvshm.core.hashing import DEFAULT_HASH_ALGORITHM, DEFAULT_HASH_SEED
+from workers.channel import WorkloadSpec
+from workers.engine import EngineOptions
 from workers.launcher import (
     LaunchOptions,
     RunResult,
@@ -119,29 +121,26 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
                        num_blocks=args.num_blocks, kv_memory=args.kv_memory),
             default_preset=DEFAULT_PRESET, default_kv_memory=RUN_KV_MEMORY, need_kv=True)
     max_len = config.max_model_len if config else 4096
+    if args.requests is not None and args.requests < 1:
+        raise ValueError(f"--requests must be at least 1 (got {args.requests})")
     if args.workload == "synthetic":
-        import dataclasses
-
         from workers.traffic import SyntheticSpec
         spec = SyntheticSpec(seed=args.seed).fit(max_len).validate()
-        workload = {"kind": "synthetic", "spec": dataclasses.asdict(spec)}
+        workload = WorkloadSpec(kind="synthetic", synthetic=spec, limit=args.requests,
+                                assign=args.assign)
     else:
         path = Path(args.workload)
         if not path.is_file():
             raise ValueError(f"--workload: {path} is not a file (or say 'synthetic')")
         from workers.traffic import load_jsonl
         load_jsonl(path, max_len=max_len)    # bad lines fail here, not in N workers
-        workload = {"kind": "jsonl", "path": str(path.resolve()), "max_len": max_len}
+        workload = WorkloadSpec(kind="jsonl", path=str(path.resolve()), max_len=max_len,
+                                limit=args.requests, assign=args.assign)
     if args.json and not Path(args.json).resolve().parent.is_dir():
         raise ValueError(f"--json: the directory of {args.json} does not exist")
-    if args.requests is not None:
-        if args.requests < 1:
-            raise ValueError(f"--requests must be at least 1 (got {args.requests})")
-        workload["limit"] = args.requests
-    workload["assign"] = args.assign
-    engine = {"token_budget": args.token_budget, "max_running": args.max_running,
-              "verify_hits": args.verify_hits, "check_decode": args.check_decode,
-              "seed": args.seed}
+    engine = EngineOptions(token_budget=args.token_budget, max_running=args.max_running,
+                           verify_hits=args.verify_hits, check_decode=args.check_decode,
+                           seed=args.seed)
     if config is not None:
         from kvshm.arena import resolve_dtype
         from kvshm.core.segment import check_shm_space
@@ -205,8 +204,8 @@ def _problems(res: RunResult, opts: LaunchOptions) -> list[str]:
     """What makes a run a failure (exit 1), in words."""
     expected = {"done"} | ({"killed"} if opts.kill_worker is not None else set())
     out = []
-    if res.integrity_failures:
-        out.append(f"{res.mode}: {res.integrity_failures} integrity mismatch(es)")
+    if res.totals.integrity_failures:
+        out.append(f"{res.mode}: {res.totals.integrity_failures} integrity mismatch(es)")
     out += [f"{res.mode}: worker {w.index} {w.status}" for w in res.workers
             if w.status not in expected]
     out += [f"{res.mode}: pool check failed" for p in res.pools if not p["check_clean"]]
@@ -215,8 +214,8 @@ def _problems(res: RunResult, opts: LaunchOptions) -> list[str]:
             out.append(f"{res.mode}: the coordinator could not be restarted: {r['error']}")
         elif not r.get("check_clean"):
             out.append(f"{res.mode}: pool check failed after a restart")
-    if res.total("requests_lost"):
-        out.append(f"{res.mode}: {res.total('requests_lost')} request(s) could not be "
+    if res.totals.requests_lost:
+        out.append(f"{res.mode}: {res.totals.requests_lost} request(s) could not be "
                    "resumed after a coordinator restart")
     return out
 
@@ -245,33 +244,33 @@ def _pct(a: int, b: int) -> str:
 
 
 def summary(res: RunResult) -> str:
-    t = res.total
+    t = res.totals
     lat = res.latencies
     secs = max(res.seconds, 1e-9)
-    prompt, hit, cross = t("prompt_tokens"), t("hit_tokens"), t("cross_hit_tokens")
+    prompt, hit, cross = t.prompt_tokens, t.hit_tokens, t.cross_hit_tokens
     out = [f"== {res.mode} pool{' (interrupted)' if res.interrupted else ''}: "
            f"{res.seconds:.1f}s, {len(res.workers)} workers, {res.config.num_blocks:,} "
            f"blocks per pool x {len(res.pools) or 1} pool(s)",
-           f"  requests          {t('finished'):,} finished ({t('finished') / secs:,.1f}/s), "
-           f"{t('aborted'):,} aborted at the deadline"
-           + (f", {t('rejected'):,} rejected (longer than the model or the pool)"
-              if t("rejected") else ""),
+           f"  requests          {t.finished:,} finished ({t.finished / secs:,.1f}/s), "
+           f"{t.aborted:,} aborted at the deadline"
+           + (f", {t.rejected:,} rejected (longer than the model or the pool)"
+              if t.rejected else ""),
            f"  tokens            {prompt:,} prompt ({prompt / secs:,.0f}/s), "
-           f"{t('generated_tokens'):,} generated ({t('generated_tokens') / secs:,.0f}/s); "
-           f"K/V computed for {t('computed_tokens'):,} ({t('computed_tokens') / secs:,.0f}/s)",
+           f"{t.generated_tokens:,} generated ({t.generated_tokens / secs:,.0f}/s); "
+           f"K/V computed for {t.computed_tokens:,} ({t.computed_tokens / secs:,.0f}/s)",
            f"  prefix cache      hit rate {_pct(hit, prompt)}: {hit:,} prompt tokens not "
            f"recomputed; {cross:,} of them from blocks another worker wrote "
            f"({_pct(cross, hit)} of hits)",
            f"  allocation        step batch round trip p50 {percentile(lat, 50) or 0:,} us, "
            f"p99 {percentile(lat, 99) or 0:,} us over {len(lat):,} steps",
-           f"  preemptions       {t('preemptions'):,}",
-           f"  worker time       CPU s: K/V {t('kv_s'):,.1f}, decode attention "
-           f"{t('attention_s'):,.1f}, integrity checks {t('check_s'):,.1f}; waiting for "
-           f"the coordinator {t('coord_s'):,.1f}s (summed over workers)",
-           f"  integrity         {t('hit_blocks_checked'):,} hit blocks checked: "
-           f"{t('hit_mismatches')} mismatches; {t('decode_checks'):,} decode attention "
-           f"checks: {t('decode_mismatches')} mismatches"]
-    seen = max((w.stats.get("coordinator_restarts", 0) for w in res.workers), default=0)
+           f"  preemptions       {t.preemptions:,}",
+           f"  worker time       CPU s: K/V {t.kv_s:,.1f}, decode attention "
+           f"{t.attention_s:,.1f}, integrity checks {t.check_s:,.1f}; waiting for "
+           f"the coordinator {t.coord_s:,.1f}s (summed over workers)",
+           f"  integrity         {t.hit_blocks_checked:,} hit blocks checked: "
+           f"{t.hit_mismatches} mismatches; {t.decode_checks:,} decode attention "
+           f"checks: {t.decode_mismatches} mismatches"]
+    seen = max((w.stats.coordinator_restarts for w in res.workers), default=0)
     if res.restarts or seen:
         stalls = res.stalls_ms
         clean = sum(1 for r in res.restarts if r.get("check_clean"))
@@ -279,8 +278,8 @@ def summary(res: RunResult) -> str:
                f"clean after {clean})" if res.restarts else
                f"the coordinator restarted {seen} time(s) (by its own supervisor)")
         out.append(
-            f"  restarts          {who}; {t('requests_resumed'):,} requests resumed, "
-            f"{t('requests_lost'):,} lost, {t('recomputed_tokens'):,} tokens recomputed; "
+            f"  restarts          {who}; {t.requests_resumed:,} requests resumed, "
+            f"{t.requests_lost:,} lost, {t.recomputed_tokens:,} tokens recomputed; "
             f"stall per restart p50 {percentile(stalls, 50) or 0:,} ms, max "
             f"{stalls[-1] if stalls else 0:,} ms (kill -> workers resumed)")
     for pool in res.pools:
@@ -296,14 +295,14 @@ def summary(res: RunResult) -> str:
         s = w.stats
         out.append(
             f"  worker {w.index} cpus {format_cpulist(w.cpus):<6} pid {w.pid:<7} {w.status:<8} "
-            f"requests {s.get('finished', 0):>5,}  hit {_pct(s.get('hit_tokens', 0), s.get('prompt_tokens', 0)):>6}  "
-            f"cross-worker {s.get('cross_hit_tokens', 0):>8,} tok  "
-            f"computed {s.get('computed_tokens', 0):>8,} tok  preempt {s.get('preemptions', 0)}  "
-            f"mismatches {s.get('integrity_failures', 0)}")
+            f"requests {s.finished:>5,}  hit {_pct(s.hit_tokens, s.prompt_tokens):>6}  "
+            f"cross-worker {s.cross_hit_tokens:>8,} tok  "
+            f"computed {s.computed_tokens:>8,} tok  preempt {s.preemptions}  "
+            f"mismatches {s.integrity_failures}")
         if w.message:
             out.append(f"    worker {w.index}: {w.message}")
-        if s.get("first_error"):
-            out.append(f"    worker {w.index} first integrity failure: {s['first_error']}")
+        if s.first_error:
+            out.append(f"    worker {w.index} first integrity failure: {s.first_error}")
     killed = [w for w in res.workers if w.status in ("killed", "died")]
     if killed and res.pools:
         back = all("error" not in p and p["num_requests"] == 0
@@ -322,7 +321,7 @@ def comparison(shared: RunResult, isolated: RunResult) -> str:
         return f"{r.hit_rate:.1%}"
 
     def tps(r, key):
-        return f"{r.total(key) / max(r.seconds, 1e-9):,.0f}"
+        return f"{getattr(r.totals, key) / max(r.seconds, 1e-9):,.0f}"
 
     def lat(r, q):
         return f"{percentile(r.latencies, q) or 0:,}"
@@ -331,14 +330,14 @@ def comparison(shared: RunResult, isolated: RunResult) -> str:
         "== shared vs isolated (same workload, same total blocks)",
         row("", "shared", "isolated"),
         row("prefix hit rate", rate(shared), rate(isolated)),
-        row("tokens saved (hits)", f"{shared.total('hit_tokens'):,}",
-            f"{isolated.total('hit_tokens'):,}"),
-        row("cross-worker hit tokens", f"{shared.total('cross_hit_tokens'):,}",
-            f"{isolated.total('cross_hit_tokens'):,}"),
-        row("requests finished", f"{shared.total('finished'):,}",
-            f"{isolated.total('finished'):,}"),
-        row("requests/s", f"{shared.total('finished') / max(shared.seconds, 1e-9):,.2f}",
-            f"{isolated.total('finished') / max(isolated.seconds, 1e-9):,.2f}"),
+        row("tokens saved (hits)", f"{shared.totals.hit_tokens:,}",
+            f"{isolated.totals.hit_tokens:,}"),
+        row("cross-worker hit tokens", f"{shared.totals.cross_hit_tokens:,}",
+            f"{isolated.totals.cross_hit_tokens:,}"),
+        row("requests finished", f"{shared.totals.finished:,}",
+            f"{isolated.totals.finished:,}"),
+        row("requests/s", f"{shared.totals.finished / max(shared.seconds, 1e-9):,.2f}",
+            f"{isolated.totals.finished / max(isolated.seconds, 1e-9):,.2f}"),
         row("prompt tok/s served", tps(shared, "prompt_tokens"), tps(isolated, "prompt_tokens")),
         row("generated tok/s", tps(shared, "generated_tokens"),
             tps(isolated, "generated_tokens")),
@@ -346,14 +345,15 @@ def comparison(shared: RunResult, isolated: RunResult) -> str:
             tps(isolated, "computed_tokens")),
         row("step round trip p50 us", lat(shared, 50), lat(isolated, 50)),
         row("step round trip p99 us", lat(shared, 99), lat(isolated, 99)),
-        row("preemptions", f"{shared.total('preemptions'):,}",
-            f"{isolated.total('preemptions'):,}"),
-        *(row(f"worker {label}", f"{shared.total(key):,.1f}", f"{isolated.total(key):,.1f}")
+        row("preemptions", f"{shared.totals.preemptions:,}",
+            f"{isolated.totals.preemptions:,}"),
+        *(row(f"worker {label}", f"{getattr(shared.totals, key):,.1f}",
+              f"{getattr(isolated.totals, key):,.1f}")
           for label, key in (("CPU s: K/V", "kv_s"), ("CPU s: attention", "attention_s"),
                              ("CPU s: checks", "check_s"),
                              ("s waiting: coordinator", "coord_s"))),
-        row("integrity mismatches", str(shared.integrity_failures),
-            str(isolated.integrity_failures)),
+        row("integrity mismatches", str(shared.totals.integrity_failures),
+            str(isolated.totals.integrity_failures)),
     ]
     diff = shared.hit_rate - isolated.hit_rate
     rows.append(f"  the shared pool's hit rate is {abs(diff) * 100:.1f} points "

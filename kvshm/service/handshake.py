@@ -17,7 +17,12 @@ import os
 from pathlib import Path
 
 from kvshm.core.errors import SegmentError
-from kvshm.core.hashing import DEFAULT_HASH_ALGORITHM, DEFAULT_HASH_SEED, BlockHasher, hash_fingerprint
+from kvshm.core.hashing import (
+    DEFAULT_HASH_ALGORITHM,
+    DEFAULT_HASH_SEED,
+    BlockHasher,
+    hash_fingerprint,
+)
 from kvshm.core.specs import PoolConfig
 from kvshm.service import protocol as p
 from kvshm.service.errors import Forbidden, ProtocolError, raise_reply
