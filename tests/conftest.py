@@ -13,6 +13,10 @@ import pytest
 from kvshm.core.segment import SHM_DIR
 from kvshm.service.server import Coordinator
 
+# The simulator's checks are plain asserts: keep pytest's detailed messages
+# for them, as when they lived in test_invariants.py.
+pytest.register_assert_rewrite("invariant_sim")
+
 
 @pytest.fixture(autouse=True, scope="session")
 def no_leaked_segments():

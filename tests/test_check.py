@@ -523,11 +523,7 @@ def test_checking_a_pool_while_it_is_being_mutated_sees_no_problems():
     import subprocess
     import sys
 
-    sys.path.insert(0, str(Path(__file__).parent))
-    try:
-        from test_invariants import CONFIGS, Sim, _random_op
-    finally:
-        sys.path.pop(0)
+    from invariant_sim import CONFIGS, Sim, random_op
     sim = Sim(CONFIGS["hybrid_full_sw"])
     try:
         child = subprocess.Popen([sys.executable, "-c", _CHECKER, sim.m.segment.name, "3"],
@@ -538,7 +534,7 @@ def test_checking_a_pool_while_it_is_being_mutated_sees_no_problems():
             steps = 0
             t_end = time.monotonic() + 1.5
             while time.monotonic() < t_end and child.poll() is None:
-                _random_op(sim, rnd)
+                random_op(sim, rnd)
                 steps += 1
             out, err = child.communicate(timeout=30)
         finally:

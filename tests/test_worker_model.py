@@ -1,5 +1,5 @@
-"""workers/model.py: bit-exact K/V whatever the chunking or process, arena I/O,
-paged attention against a plain reference, and block verification."""
+"""workers/model.py: bit-exact K/V whatever the chunking or process; workers/attention.py:
+arena I/O, paged attention against a plain reference, and block verification."""
 
 from __future__ import annotations
 
@@ -17,17 +17,16 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # workers/ is not an installed package
     sys.path.insert(0, str(ROOT))
 
+from workers import attention as wa  # noqa: E402
 from workers import model as wm  # noqa: E402
-from workers.model import (  # noqa: E402
-    Context,
-    TinyModel,
+from workers.attention import (  # noqa: E402
     attention,
     mismatching_blocks,
     paged_attention,
     read_kv,
-    resolve_dtype,
     write_kv,
 )
+from workers.model import Context, TinyModel, resolve_dtype  # noqa: E402
 
 try:
     import ml_dtypes
@@ -568,6 +567,6 @@ def test_half_widening_is_exact_for_every_bit_pattern():
         arena = values.view(np.float16).reshape(-1, 1, 2, 8, 2, 4)  # [nb, L, 2, bs, H, D]
         tile = np.arange(arena.shape[0])
         out = np.empty((2, 1, tile.size, 8, 2, 4), dtype=np.float32)
-        wm._widen(arena, tile, out)
+        wa._widen(arena, tile, out)
         expected = arena.transpose(2, 1, 0, 3, 4, 5).astype(np.float32)
         assert np.array_equal(out.view(np.uint32), expected.view(np.uint32))

@@ -28,7 +28,8 @@ import numpy as np
 from kvshm.core.specs import FullSpec, MLASpec, PoolConfig, SlidingWindowSpec
 from kvshm.service import protocol as p
 from kvshm.service.errors import ReplyLost, ResumeFailed
-from workers.model import TinyModel, attention, mismatching_blocks, paged_attention, write_kv
+from workers.attention import attention, mismatching_blocks, paged_attention, write_kv
+from workers.model import TinyModel
 from workers.traffic import Item
 
 SUPPORTED_SPECS = (FullSpec, MLASpec, SlidingWindowSpec)
