@@ -3,15 +3,30 @@
 Requests share a few system prompts (so prefix caching matters), arrive over
 time, are prefilled in chunks under a token budget, decode until their output
 length, and are preempted (freed and recomputed later) when the pool runs
-out, as vLLM's scheduler does.  Used by `kvshm demo` and the benchmarks.
+out, as vLLM's scheduler does.  Used by `kvshm demo` and
+scripts/bench_service.py.
+
+Why this is not the CPU worker's scheduler (kvshm/workers/engine.py, which
+`kvshm run` uses): this one computes nothing and depends on nothing but its
+seed, so it runs in-process in a fraction of a second (`kvshm demo`) and
+gives the service benchmark an op stream that is the same on every run and
+every commit (its coordinator figures compare across commits only because of
+that).  The worker's scheduler is built around what a real engine has and
+this one must not: the model's compute on the arena (about 20x the time
+a `kvshm run` worker waits for the coordinator), one batch per step with
+`Admit` and caching delayed
+until the K/V are written, wall-clock deadlines, other workers sharing the
+pool, and coordinator restarts.  The policies are the same (FCFS, chunked
+prefill under a token budget, preempt the newest on a failed allocation);
+a change to one should be made to the other.
 
 The loop exists once, sans-IO: `Scheduler.run()` (over `make_requests`'
 deterministic request set) yields each backend call as `(method, *args)` and
 is sent the reply; `drive(backend, spec)` runs it against a synchronous
 backend such as `EmbeddedBackend` (the coordinator's op executor on an
 in-process `KVCacheManager`; its methods document the interface;
-scripts/bench_service.py records the protocol ops it runs); `run_workload(mgr, spec)` is `drive` on one, timed.  An
-async backend (a worker talking to the coordinator) needs no second copy of
+scripts/bench_service.py records the protocol ops it runs); `run_workload(mgr,
+spec)` is `drive` on one, timed.  An async backend needs no second copy of
 the loop, only a second driver that awaits each call::
 
     async def adrive(backend, spec):
