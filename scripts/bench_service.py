@@ -31,8 +31,9 @@ served by a `kvshm serve` child process.  Measures:
 Every coordinator is a `kvshm serve` child stopped with SIGTERM (SIGKILL
 after 10 s, then its segment removed) on success, error, Ctrl-C or SIGTERM.
 
-The workload is recorded once per client: the synthetic scheduler of
-kvshm.workload (seed + client index, so clients share no prefix) drives an
+The workload is recorded once per client (scripts/service_load.py): the
+synthetic scheduler of kvshm.workload (seed + client index, so clients share
+no prefix) drives an
 embedded KVCacheManager and every manager call is recorded as a protocol
 struct (add, hits, alloc, advance, free), grouped by scheduler step.  Both
 the embedded run and the coordinator replay that recording; the prefix cache
@@ -49,42 +50,38 @@ encoding and decoding are.
 from __future__ import annotations
 
 import argparse
-import collections
-import cProfile
 import gc
-import io
 import json
-import multiprocessing as mp
 import os
-import pstats
 import shlex
 import signal
-import socket
 import statistics
-import subprocess
 import sys
-import threading
 import time
-import traceback
 from array import array
-from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-import msgspec  # noqa: E402
 import psutil  # noqa: E402
 
-from kvshm.core.manager import KVCacheManager  # noqa: E402
-from kvshm.service.ops import OpExecutor  # noqa: E402
-from kvshm.core.segment import SHM_DIR, remove_segment  # noqa: E402
 from kvshm.core.specs import FullSpec, PoolConfig  # noqa: E402
 from kvshm.service import protocol as p  # noqa: E402
 from kvshm.service.framing import encode_frame  # noqa: E402
-from kvshm.service.handshake import read_admin_token  # noqa: E402
+from kvshm.service.handshake import make_hello  # noqa: E402
 from kvshm.service.process import CoordinatorProcess  # noqa: E402
-from kvshm.workload import EmbeddedBackend, WorkloadSpec, drive  # noqa: E402
+from kvshm.service.sync_client import connect_sync, open_wire_sync  # noqa: E402
+from kvshm.workload import WorkloadSpec  # noqa: E402
+from service_load import (  # noqa: E402
+    Recording,
+    Workers,
+    bench_embedded,
+    bench_inprocess,
+    build_frames,
+    record_workload,
+    summarize_run,
+)
 
 P50_TARGET_US = 50.0
 RATIO_TARGET = 0.5
@@ -93,321 +90,35 @@ PRESETS_OK = ("llama-8b", "gemma-hybrid", "jamba-hybrid")
 
 
 # =============================================================================
-# Workload recording
+# The coordinator and a blocking admin connection
 # =============================================================================
-@dataclass
-class Recording:
-    steps: list[list]             # protocol structs, one list per scheduler step
-    hits: list[int]               # num_computed_tokens of each lookup, in op order
-    num_ops: int = 0
-    new_blocks: int = 0           # blocks taken from the free queue
-    failed_allocs: int = 0
-    preemptions: int = 0
-    prompt_tokens: int = 0
-    hit_tokens: int = 0
-    counts: dict = field(default_factory=dict)
-
-
-class RecordingBackend(EmbeddedBackend):
-    """kvshm.workload's embedded backend that also records every protocol op
-    it runs, one list per scheduler step, with the recording's counters."""
-
-    def __init__(self, mgr: KVCacheManager) -> None:
-        super().__init__(mgr)
-        self.rec = Recording([], [])
-        self.ops: list = []
-
-    def run_op(self, op):
-        self.ops.append(op)
-        reply = super().run_op(op)
-        cls = reply.__class__
-        if cls is p.ComputedBlocks:
-            self.rec.hits.append(reply.num_computed_tokens)
-        elif cls is p.Allocated:
-            if reply.new_block_ids is None:
-                self.rec.failed_allocs += 1
-            else:
-                self.rec.new_blocks += sum(len(g) for g in reply.new_block_ids)
-        return reply
-
-    def end_step(self) -> None:
-        self.rec.steps.append(self.ops)
-        self.rec.num_ops += len(self.ops)
-        self.ops = []
-
-
-def record_workload(config: PoolConfig, spec: WorkloadSpec) -> Recording:
-    """Run kvshm.workload's scheduler loop on an embedded manager through a
-    RecordingBackend."""
-    with KVCacheManager(config) as mgr:
-        backend = RecordingBackend(mgr)
-        res = drive(backend, spec)
-    rec = backend.rec
-    rec.preemptions, rec.prompt_tokens, rec.hit_tokens = (
-        res.preemptions, res.prompt_tokens, res.hit_tokens)
-    counts: collections.Counter = collections.Counter()
-    for step in rec.steps:
-        for op in step:
-            counts[type(op).__name__] += 1
-    rec.counts = dict(counts)
-    return rec
-
-
-def build_frames(steps: list[list], hits: list[int], batch: int, prefix: str = ""):
-    """Frames of at most `batch` ops, never spanning two steps (batch 1: bare
-    ops, else Batch), with request ids prefixed; plus, per frame, the
-    (index, expected hit tokens) of its lookups, and its op count."""
-    replace = msgspec.structs.replace
-    frames, checks, sizes = [], [], []
-    it = iter(hits)
-    for step in steps:
-        ops = [replace(op, req=prefix + op.req) for op in step] if prefix else step
-        for s in range(0, len(ops), batch):
-            chunk = ops[s:s + batch]
-            exp = [(j, next(it)) for j, op in enumerate(chunk)
-                   if op.__class__ is p.GetComputedBlocks]
-            frames.append(chunk[0] if batch == 1 else p.Batch(chunk))
-            checks.append(exp or None)
-            sizes.append(len(chunk))
-    return frames, checks, sizes
-
-
-# =============================================================================
-# Embedded execution of recorded ops (no socket)
-# =============================================================================
-class Embedded:
-    """Executes recorded protocol structs with the coordinator's op executor
-    on a KVCacheManager (no socket, no codec)."""
-
-    def __init__(self, mgr: KVCacheManager) -> None:
-        self.executor = OpExecutor(mgr)
-        self.owner = self.executor.open_owner(1)
-        self.failed = 0
-
-    def run(self, steps: list[list]) -> None:
-        execute, owner = self.executor.execute, self.owner
-        for step in steps:
-            for op in step:
-                r = execute(owner, op)
-                if r.__class__ is p.Allocated and r.new_block_ids is None:
-                    self.failed += 1
-
-
-def bench_embedded(config: PoolConfig, rec: Recording, runs: int) -> dict:
-    times, failed = [], 0
-    for _ in range(runs):
-        with KVCacheManager(config) as mgr:
-            e = Embedded(mgr)
-            t0 = time.perf_counter()
-            e.run(rec.steps)
-            times.append(time.perf_counter() - t0)
-            failed += e.failed
-            leftover = len(mgr.table)
-        if leftover:
-            raise RuntimeError(f"embedded run left {leftover} requests in the table")
-    med = statistics.median(times)
-    return {"ops": rec.num_ops, "runs": runs, "seconds": times, "ops_per_s": rec.num_ops / med,
-            "us_per_op": med / rec.num_ops * 1e6, "failed_allocs": failed}
-
-
-def bench_inprocess(config: PoolConfig, rec: Recording, batch: int, runs: int,
-                    profile: bool) -> tuple[dict, str | None]:
-    """The coordinator's own cost of the recorded frames: decode each body,
-    run it with the op executor, encode the reply frame, in this process,
-    no socket; and the client's codec cost (encode frames, decode replies)."""
-    mgr = KVCacheManager(config, name=f"kvshm-bench-{os.getpid()}-{os.urandom(3).hex()}")
+def start_coordinator(config: PoolConfig) -> CoordinatorProcess:
+    """A `kvshm serve` child, ready (CoordinatorProcess.stop: SIGTERM, then
+    SIGKILL after 10 s with its segments removed)."""
+    coord = CoordinatorProcess(config, new_session=True, with_parent=True)
     try:
-        executor = OpExecutor(mgr)
-        owner = executor.open_owner(1, admin=True)
-        decode = msgspec.msgpack.Decoder(p.Message).decode
-        enc = msgspec.msgpack.Encoder()
-        execute = executor.execute
-        times, profile_text = [], None
-        for r in range(runs + (1 if profile else 0)):
-            frames, _, _ = build_frames(rec.steps, rec.hits, batch, f"ip{r}-")
-            bodies = [enc.encode(f) for f in frames]
-            if not mgr.reset_prefix_cache():
-                raise RuntimeError("reset_prefix_cache failed between in-process runs")
-            prof = cProfile.Profile() if r == runs else None
-            replies = []
-            gc.collect()
-            t0 = time.perf_counter()
-            if prof is not None:
-                prof.enable()
-            for body in bodies:
-                replies.append(encode_frame(execute(owner, decode(body))))
-            if prof is not None:
-                prof.disable()
-                out = io.StringIO()
-                pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(25)
-                profile_text = out.getvalue()
-            else:
-                times.append(time.perf_counter() - t0)
-        # The client's side of the same frames: encode each, decode each reply.
-        dec = msgspec.msgpack.Decoder(p.ServerMessage)
-        t0 = time.perf_counter()
-        for f in frames:
-            encode_frame(f)
-        t_enc = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        decoded = [dec.decode(memoryview(b)[4:]) for b in replies]
-        t_dec = time.perf_counter() - t0
-        errors = sum(1 for m in decoded for r in (m.results if m.__class__ is p.BatchReply
-                                                  else (m,)) if r.__class__ is p.Error)
-        med = statistics.median(times)
-        n = rec.num_ops
-        return ({"batch": batch, "ops": n, "runs": runs, "seconds": times,
-                 "ops_per_s": n / med, "us_per_op": med / n * 1e6,
-                 "client_encode_us_per_op": t_enc / n * 1e6,
-                 "client_decode_us_per_op": t_dec / n * 1e6,
-                 "reply_bytes_per_op": sum(map(len, replies)) / n,
-                 "request_bytes_per_op": sum(map(len, bodies)) / n,
-                 "error_replies": errors}, profile_text)
-    finally:
-        executor.close_owner(owner)
-        mgr.close()
+        coord.wait_ready()
+    except BaseException:
+        coord.stop()
+        raise
+    return coord
 
 
-# =============================================================================
-# Coordinator processes and a blocking helper connection
-# =============================================================================
-class _DeferSignals:
-    """Hold SIGINT/SIGTERM (unless ignored) for a critical section, then raise
-    KeyboardInterrupt if one came: a child is never started without this
-    process holding its handle, and a second Ctrl-C never cuts a clean-up
-    short."""
-
-    SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-    def __enter__(self) -> "_DeferSignals":
-        self.got = None
-        self.old = {}
-        if threading.current_thread() is threading.main_thread():
-            for s in self.SIGNALS:
-                h = signal.getsignal(s)
-                if h is not signal.SIG_IGN:
-                    self.old[s] = h
-                    signal.signal(s, self._note)
-        return self
-
-    def _note(self, signum, frame) -> None:
-        self.got = signum
-
-    def __exit__(self, exc_type, *rest) -> None:
-        for s, h in self.old.items():
-            signal.signal(s, h)
-        if self.got is not None and exc_type is None:
-            raise KeyboardInterrupt(f"signal {self.got}")
+def admin_connection(path):
+    """A blocking admin session (set-up between runs, and the raw floor),
+    on whatever hashing the pool has."""
+    return connect_sync(path, admin=True, hash_algorithm=None)
 
 
-class CoordinatorChild:
-    """A CoordinatorProcess stopped with SIGTERM (SIGKILL after 10s), whose
-    segment is removed even if the process had to be killed."""
-
-    def __init__(self, config: PoolConfig) -> None:
-        self.cp = None
-        self._stopped = False
-        try:
-            with _DeferSignals():
-                self.cp = CoordinatorProcess(config)
-            self.name = self.cp.name
-            self.socket = self.cp.socket
-            self.pid = self.cp.proc.pid
-            self.cp.wait_ready()
-            self.ps = psutil.Process(self.pid)
-        except BaseException:
-            self.stop()
-            raise
-
-    @property
-    def stderr_tail(self) -> str:
-        return "".join(self.cp.stderr.splitlines(keepends=True)[-40:]) if self.cp else ""
-
-    def alive(self) -> bool:
-        return self.cp is not None and self.cp.proc.poll() is None
-
-    def stop(self) -> None:
-        if self._stopped or self.cp is None:
-            return
-        self._stopped = True
-        with _DeferSignals():
-            proc = self.cp.proc
-            try:
-                if proc.poll() is None:
-                    proc.terminate()
-                    try:
-                        proc.wait(10)
-                    except subprocess.TimeoutExpired:
-                        proc.kill()
-                        proc.wait()
-                self.cp.stop()
-            finally:
-                seg = os.path.join(SHM_DIR, self.name)
-                if os.path.exists(seg):  # the coordinator was killed: not ours to leave
-                    try:
-                        remove_segment(self.name, force=True)
-                    except Exception:  # noqa: BLE001 - e.g. a half-initialised segment
-                        try:
-                            os.unlink(seg)
-                        except OSError as e:
-                            print(f"warning: could not remove {seg}: {e}", file=sys.stderr)
-
-    def __enter__(self) -> "CoordinatorChild":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
-
-
-class SyncConn:
-    """A blocking connection (for set-up between runs, and the raw floor)."""
-
-    def __init__(self, path, config: PoolConfig) -> None:
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.connect(str(path))
-        self.dec = msgspec.msgpack.Decoder(p.ServerMessage)
-        # An admin session: reset_pool() empties the prefix cache between runs.
-        w = self.call(p.Hello(p.PROTOCOL_VERSION, os.getpid(), _fingerprint(config),
-                              admin_token=read_admin_token(path)))
-        if w.__class__ is not p.Welcome:
-            raise RuntimeError(f"handshake refused: {w}")
-
-    def raw(self, frame: bytes) -> bytes:
-        sock = self.sock
-        sock.sendall(frame)
-        buf = sock.recv(65536)
-        while len(buf) < 4 or len(buf) < 4 + int.from_bytes(buf[:4], "little"):
-            more = sock.recv(65536)
-            if not more:
-                raise ConnectionError("coordinator closed the connection")
-            buf += more
-        return buf
-
-    def call(self, msg):
-        return self.dec.decode(memoryview(self.raw(encode_frame(msg)))[4:])
-
-    def close(self) -> None:
-        self.sock.close()
-
-
-def _fingerprint(config: PoolConfig) -> str:
-    from kvshm.core.hashing import hash_fingerprint
-    return hash_fingerprint(config.hash_algorithm, config.hash_seed)
-
-
-def reset_pool(path, config: PoolConfig) -> None:
+def reset_pool(path) -> None:
     """Between runs: nothing may be left, and the prefix cache is emptied so
     the next run's lookups hit exactly as recorded."""
-    c = SyncConn(path, config)
-    try:
-        st = c.call(p.GetStats())
+    with admin_connection(path) as c:
+        st = c.stats()
         if st.num_requests:
             raise RuntimeError(f"{st.num_requests} requests left in the pool after a run")
-        r = c.call(p.ResetPrefixCache())
-        if r.__class__ is not p.ResetResult or not r.ok:
-            raise RuntimeError(f"reset_prefix_cache refused: {r}")
-    finally:
-        c.close()
+        if not c.reset_prefix_cache():
+            raise RuntimeError("reset_prefix_cache refused")
 
 
 # =============================================================================
@@ -468,219 +179,37 @@ def bench_latency(path, config: PoolConfig, calls: int, warmup: int) -> dict:
 
     out = run_async(run())
     # The floor: get_block_ids pre-encoded over a blocking socket (no asyncio,
-    # no struct building or decoding on the client side).
-    sc = SyncConn(path, config)
+    # no struct building on the client side; the reply is decoded).
+    wire, _ = open_wire_sync(path, make_hello(path, hash_algorithm=None), 10.0)
     try:
-        sc.call(p.AddRequest("lat-raw", list(range(64))))
-        sc.call(p.AllocateSlots("lat-raw", 64))
+        def call(msg):
+            wire.send(encode_frame(msg))
+            return wire.receive(None)
+
+        call(p.AddRequest("lat-raw", list(range(64))))
+        call(p.AllocateSlots("lat-raw", 64))
         frame = encode_frame(p.GetBlockIds("lat-raw"))
-        if sc.call(p.GetBlockIds("lat-raw")).__class__ is not p.BlockIds:
+        if call(p.GetBlockIds("lat-raw")).__class__ is not p.BlockIds:
             raise RuntimeError("get_block_ids failed on the raw connection")
+        send, receive = wire.send, wire.receive
         perf = time.perf_counter_ns
         lat = array("q")
         for i in range(warmup + calls):
             t = perf()
-            sc.raw(frame)
+            send(frame)
+            receive(None)
             if i >= warmup:
                 lat.append(perf() - t)
         out["get_block_ids_raw_socket"] = _summ(lat)
-        sc.call(p.Free("lat-raw"))
+        call(p.Free("lat-raw"))
     finally:
-        sc.close()
+        wire.close()
     return out
 
 
 # =============================================================================
 # 2. multi-client throughput (worker processes)
 # =============================================================================
-def _worker_main(conn, index: int, blob: bytes, hits: list[int], hash_algorithm: str,
-                 hash_seed: str) -> None:
-    """A client process: for each ("run", socket, batch, prefix) command,
-    connect, say ready, wait for "go", replay, send the figures back."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops us
-    try:
-        from kvshm.service.loop import run_async
-
-        steps = msgspec.msgpack.Decoder(list[list[p.Op]]).decode(blob)
-        del blob
-        gc.collect()
-        gc.freeze()
-        while True:
-            try:
-                cmd = conn.recv()
-            except EOFError:
-                return
-            if cmd[0] != "run":
-                return
-            _, path, batch, prefix = cmd
-            frames, checks, sizes = build_frames(steps, hits, batch, prefix)
-            res = run_async(_client_run(conn, path, frames, checks, sizes,
-                                        hash_algorithm, hash_seed))
-            del frames, checks
-            conn.send(("result", res))
-    except (EOFError, BrokenPipeError, KeyboardInterrupt):
-        return
-    except BaseException:
-        try:
-            conn.send(("error", f"client {index}: {traceback.format_exc()}"))
-        except Exception:  # noqa: BLE001
-            pass
-
-
-async def _client_run(conn, path, frames, checks, sizes, hash_algorithm, hash_seed) -> dict:
-    from kvshm.service.client import connect
-
-    client = await connect(path, hash_algorithm=hash_algorithm, hash_seed=hash_seed)
-    try:
-        conn.send(("ready",))
-        if conn.recv() != "go":
-            return {}
-        send = client.request
-        perf = time.perf_counter_ns
-        BatchReply, Allocated, Error = p.BatchReply, p.Allocated, p.Error
-        lat = array("q")
-        failed = errors = mismatches = 0
-        first_error = None
-        start = perf()
-        for frame, check in zip(frames, checks):
-            t = perf()
-            reply = await send(frame, None)
-            lat.append(perf() - t)
-            results = reply.results if reply.__class__ is BatchReply else (reply,)
-            for r in results:
-                c = r.__class__
-                if c is Allocated:
-                    if r.new_block_ids is None:
-                        failed += 1
-                elif c is Error:
-                    errors += 1
-                    if first_error is None:
-                        first_error = f"{r.code}: {r.message}"
-            if check:
-                for j, want in check:
-                    if j < len(results) and getattr(results[j], "num_computed_tokens",
-                                                    None) != want:
-                        mismatches += 1
-        end = perf()
-        return {"start": start, "end": end, "lat": lat, "sizes": array("i", sizes),
-                "failed_allocs": failed, "errors": errors, "first_error": first_error,
-                "hit_mismatches": mismatches}
-    finally:
-        await client.close()
-
-
-class Workers:
-    """Persistent client processes (spawned once, reused by every run)."""
-
-    def __init__(self, recs: list[Recording], config: PoolConfig) -> None:
-        ctx = mp.get_context("spawn")
-        self.procs, self.conns = [], []
-        try:
-            for k, rec in enumerate(recs):
-                parent, child = ctx.Pipe()
-                proc = ctx.Process(
-                    target=_worker_main, name=f"bench-client-{k}", daemon=True,
-                    args=(child, k, msgspec.msgpack.encode(rec.steps), rec.hits,
-                          config.hash_algorithm, config.hash_seed))
-                # Started with SIGINT blocked (inherited: the client never sees
-                # Ctrl-C; this process stops it); here it is delivered after.
-                old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-                try:
-                    proc.start()
-                finally:
-                    signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
-                child.close()
-                self.procs.append(proc)
-                self.conns.append(parent)
-        except BaseException:
-            self.stop(graceful=False)
-            raise
-
-    def _recv(self, k: int, timeout: float = 300.0):
-        conn, proc = self.conns[k], self.procs[k]
-        deadline = time.monotonic() + timeout
-        while not conn.poll(0.2):
-            if not proc.is_alive():
-                raise RuntimeError(f"client process {k} died (exit code {proc.exitcode})")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"client process {k}: no answer in {timeout:.0f}s")
-        msg = conn.recv()
-        if msg[0] == "error":
-            raise RuntimeError(msg[1])
-        return msg
-
-    def run(self, n: int, path, batch: int, tag: str) -> list[dict]:
-        for k in range(n):
-            self.conns[k].send(("run", str(path), batch, f"c{k}-{tag}-"))
-        for k in range(n):
-            if self._recv(k)[0] != "ready":
-                raise RuntimeError(f"client {k}: unexpected message")
-        for k in range(n):
-            self.conns[k].send("go")
-        return [self._recv(k)[1] for k in range(n)]
-
-    def stop(self, graceful: bool = True) -> None:
-        """Graceful: ask each client to exit, then wait; else terminate."""
-        with _DeferSignals():
-            if graceful:
-                for conn in self.conns:
-                    try:
-                        conn.send(("stop",))
-                    except (OSError, ValueError):
-                        pass
-            for proc in self.procs:
-                if graceful:
-                    proc.join(5)
-                if proc.is_alive():
-                    proc.terminate()
-                    proc.join(5)
-                if proc.is_alive():
-                    proc.kill()
-                    proc.join()
-            for conn in self.conns:
-                conn.close()
-            self.procs, self.conns = [], []
-
-
-def _weighted_pct(pairs: list[tuple[float, int]], q: float) -> float:
-    """Percentile of values each counted `weight` times."""
-    pairs.sort()
-    total = sum(w for _, w in pairs)
-    target = q * total
-    acc = 0
-    for v, w in pairs:
-        acc += w
-        if acc >= target:
-            return v
-    return pairs[-1][0]
-
-
-def summarize_run(n: int, batch: int, results: list[dict], cpu_s: float) -> dict:
-    start = min(r["start"] for r in results)
-    end = max(r["end"] for r in results)
-    wall = (end - start) / 1e9
-    ops = sum(sum(r["sizes"]) for r in results)
-    frames = sum(len(r["lat"]) for r in results)
-    per_frame = sorted(x for r in results for x in r["lat"])
-    per_op = [(lat / s, s) for r in results for lat, s in zip(r["lat"], r["sizes"])]
-    return {
-        "clients": n, "batch": batch, "ops": ops, "frames": frames,
-        "ops_per_frame": ops / frames, "seconds": wall, "ops_per_s": ops / wall,
-        "per_client_ops_per_s": [sum(r["sizes"]) / ((r["end"] - r["start"]) / 1e9)
-                                 for r in results],
-        "op_p50_us": _weighted_pct(list(per_op), 0.50) / 1e3,
-        "op_p99_us": _weighted_pct(per_op, 0.99) / 1e3,
-        "frame_p50_us": per_frame[len(per_frame) // 2] / 1e3,
-        "frame_p99_us": per_frame[min(len(per_frame) - 1, int(len(per_frame) * 0.99))] / 1e3,
-        "coordinator_cpu_us_per_op": cpu_s / ops * 1e6,
-        "coordinator_cpu_util": cpu_s / wall,
-        "failed_allocs": sum(r["failed_allocs"] for r in results),
-        "errors": sum(r["errors"] for r in results),
-        "first_error": next((r["first_error"] for r in results if r["first_error"]), None),
-        "hit_mismatches": sum(r["hit_mismatches"] for r in results),
-    }
-
-
 def _cpu(ps: psutil.Process) -> float:
     t = ps.cpu_times()
     return t.user + t.system
@@ -694,8 +223,8 @@ def bench_rss(config: PoolConfig, rec: Recording, total_ops: int, every: int,
     from kvshm.service.client import connect
     from kvshm.service.loop import run_async
 
-    with CoordinatorChild(config) as coord:
-        ps = coord.ps
+    with CoordinatorProcess(config, new_session=True, with_parent=True) as coord:
+        ps = psutil.Process(coord.proc.pid)
 
         def sample(ops: int) -> dict:
             m = ps.memory_info()
@@ -750,7 +279,7 @@ def bench_rss(config: PoolConfig, rec: Recording, total_ops: int, every: int,
 
         res = run_async(run())
         time.sleep(0.2)  # the session's end is processed; one more sample, idle
-        res["samples_idle_after"] = coord.ps.memory_info().rss
+        res["samples_idle_after"] = ps.memory_info().rss
     s = res["samples"]
     warm = next((x for x in s if x["ops"] >= warmup), s[-1])
     res.update({
@@ -874,7 +403,8 @@ def main() -> int:
             problems.append(f"{inproc['error_replies']} error replies in the in-process run")
 
         # -- 1. single-op latency ----------------------------------------------------------
-        coord = CoordinatorChild(config)
+        coord = start_coordinator(config)
+        coord_ps = psutil.Process(coord.proc.pid)
         lat = bench_latency(coord.socket, config, args.latency_calls,
                             min(1000, args.latency_calls))
         out["latency"] = lat
@@ -892,11 +422,11 @@ def main() -> int:
             print(f"  round {rnd + 1}/{args.rounds}: embedded core: "
                   f"{emb_rounds[-1]['ops_per_s']:>9,.0f} ops/s", flush=True)
             for n, b in configs:
-                reset_pool(coord.socket, config)
+                reset_pool(coord.socket)
                 run_no += 1
-                cpu0 = _cpu(coord.ps)
+                cpu0 = _cpu(coord_ps)
                 results = workers.run(n, coord.socket, b, f"{run_no}")
-                cpu = _cpu(coord.ps) - cpu0
+                cpu = _cpu(coord_ps) - cpu0
                 row = summarize_run(n, b, results, cpu)
                 runs[(n, b)].append(row)
                 print(f"  round {rnd + 1}/{args.rounds}: {n} client(s), batch {b:>2}: "
@@ -907,7 +437,7 @@ def main() -> int:
                         problems.append(f"{n} clients batch {b}: {row[key]} {key}"
                                         + (f" (first: {row['first_error']})"
                                            if key == "errors" else ""))
-        reset_pool(coord.socket, config)
+        reset_pool(coord.socket)
         rows = []
         for c in configs:  # the median round (by ops/s) of each configuration
             rs = sorted(runs[c], key=lambda r: r["ops_per_s"])
@@ -950,14 +480,20 @@ def main() -> int:
         print("\ninterrupted: stopping clients and coordinators", file=sys.stderr)
         return 130
     except BaseException:
-        if coord is not None and coord.stderr_tail:
-            sys.stderr.write("coordinator stderr (tail):\n" + coord.stderr_tail)
+        tail = "".join(coord.stderr.splitlines(keepends=True)[-40:]) if coord else ""
+        if tail:
+            sys.stderr.write("coordinator stderr (tail):\n" + tail)
         raise
     finally:  # only reached with these set when something went wrong
+        # A second Ctrl-C must not cut the clean-up short.
+        held = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT,
+                                                                     signal.SIGTERM)}
         if workers is not None:
             workers.stop(graceful=False)
         if coord is not None:
             coord.stop()
+        for sig, handler in held.items():
+            signal.signal(sig, handler)
 
     # -- the table -----------------------------------------------------------------------
     out["loadavg_end"] = os.getloadavg()

@@ -753,6 +753,27 @@ def test_sigterm_mid_load_closes_clients_and_removes_the_segment():
     assert "Traceback" not in err, err
 
 
+def test_a_coordinator_that_must_be_killed_leaves_no_segments():
+    """CoordinatorProcess.stop(): a coordinator that does not stop within the
+    timeout (here: stopped with SIGSTOP) is SIGKILLed and its pool and arena
+    are removed for it; one that was already dead keeps them for adoption."""
+    from kvshm.config import preset_config
+    cfg = preset_config("tiny", num_blocks=64)
+    with CoordinatorProcess(cfg) as proc:
+        name = proc.name
+        assert os.path.exists(f"{SHM_DIR}/{name}") and os.path.exists(f"{SHM_DIR}/{name}.kv")
+        proc.proc.send_signal(signal.SIGSTOP)
+        assert proc.stop(timeout=0.5) == -signal.SIGKILL
+    assert not os.path.exists(f"{SHM_DIR}/{name}")
+    assert not os.path.exists(f"{SHM_DIR}/{name}.kv")
+    with CoordinatorProcess(cfg) as dead:
+        dead.kill()
+        assert dead.stop() == -signal.SIGKILL
+    assert os.path.exists(f"{SHM_DIR}/{dead.name}")     # adoptable
+    from kvshm.service.adoption import remove_pool
+    remove_pool(dead.name)
+
+
 def test_sigterm_with_a_client_that_stopped_reading():
     cfg = make_config(num_blocks=256)
 

@@ -103,6 +103,11 @@ class CoordinatorProcess:
                                f"{line}{self.stderr}")
 
     def stop(self, timeout: float = 10.0) -> int:
+        """SIGTERM (a clean shutdown removes the pool's segments) and wait;
+        after `timeout` seconds SIGKILL, and then remove the segments the
+        killed coordinator could not.  A coordinator that was already dead
+        keeps its segments (a new one may adopt them).  Returns the exit
+        status."""
         if self.proc.poll() is None:
             self.proc.terminate()
             try:
@@ -110,6 +115,12 @@ class CoordinatorProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+                from kvshm.core.errors import SegmentError
+                from kvshm.service.adoption import remove_pool
+                try:
+                    remove_pool(self.name)
+                except SegmentError:   # it had not created them yet
+                    pass
         self.proc.stdout.close()
         self._stderr.close()
         self._dir.cleanup()
