@@ -219,7 +219,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from workers.run import run
+    from kvshm.workers.run import run
     return run(args)
 
 
@@ -310,7 +310,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("run", help="the main job: a coordinator and N pinned CPU workers "
                        "sharing one KV pool on a workload, with a summary")
-    from workers.run import add_arguments
+    from kvshm.workers.run import add_arguments
     add_arguments(p)
     p.set_defaults(fn=cmd_run)
 

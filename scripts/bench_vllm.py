@@ -41,7 +41,7 @@ sys.path.insert(0, str(REPO))
 
 from kvshm.service.process import CoordinatorProcess  # noqa: E402
 from kvshm.vllm.model import model_pool_config, write_tiny_model  # noqa: E402
-from workers.topology import format_cpulist, plan  # noqa: E402
+from kvshm.workers.topology import format_cpulist, plan  # noqa: E402
 
 BLOCK = 32
 

@@ -62,7 +62,7 @@ EOF
   # vLLM's requirements may move packages kvshm pinned: reinstall it last.
   "${pip[@]}" -e "$REPO[$KVSHM_EXTRAS]"
   # From elsewhere than the repository, so that only the install can supply them.
-  (cd / && "$VENV/bin/python" -c "import vllm, torch, kvshm.vllm, workers") >/dev/null
+  (cd / && "$VENV/bin/python" -c "import vllm, torch, kvshm.vllm, kvshm.workers") >/dev/null
   echo "$want" > "$stamp"
 fi
 echo "$VENV/bin/python"

@@ -14,7 +14,7 @@ import msgspec
 import pytest
 
 from kvshm.config import preset_config
-from workers.channel import (
+from kvshm.workers.channel import (
     Done,
     Failed,
     Progress,
@@ -24,9 +24,9 @@ from workers.channel import (
     emit,
     read_report,
 )
-from workers.engine import EngineOptions, EngineStats
-from workers.launcher import Launch, LaunchOptions, RunResult, WorkerResult, make_plan
-from workers.traffic import SyntheticSpec
+from kvshm.workers.engine import EngineOptions, EngineStats
+from kvshm.workers.launcher import Launch, LaunchOptions, RunResult, WorkerResult, make_plan
+from kvshm.workers.traffic import SyntheticSpec
 
 
 def test_a_worker_spec_survives_its_encoding():
@@ -49,7 +49,7 @@ def test_a_bad_worker_spec_names_the_field(text, where):
 
 
 def test_a_worker_refuses_a_bad_spec_with_a_report():
-    r = subprocess.run([sys.executable, "-m", "workers.worker", '{"socket": 5}'],
+    r = subprocess.run([sys.executable, "-m", "kvshm.workers.worker", '{"socket": 5}'],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2, r.stderr
     report = read_report(r.stdout.splitlines()[-1])

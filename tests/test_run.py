@@ -1,6 +1,6 @@
 """`kvshm run` end to end, as subprocesses: a shared run, a killed worker,
 shared vs isolated, a JSONL workload, joining a running coordinator, bad
-arguments, Ctrl-C, and `python -m workers`."""
+arguments, Ctrl-C, and `python -m kvshm.workers`."""
 
 from __future__ import annotations
 
@@ -282,7 +282,7 @@ def test_bad_arguments_exit_2(tmp_path, sockdir, args, message):
 
 def test_python_m_workers_reports_a_dead_socket_like_kvshm_run(sockdir):
     proc = run("--connect", str(sockdir / "nobody.sock"), "--duration", "2", "--quiet",
-               cmd=[sys.executable, "-m", "workers"], timeout=60)
+               cmd=[sys.executable, "-m", "kvshm.workers"], timeout=60)
     assert "Traceback" not in proc.stderr, proc.stderr
     assert proc.returncode == 2
     assert re.search(r"no coordinator listening at .*nobody\.sock", proc.stderr)
@@ -355,7 +355,7 @@ def cmdline(p: psutil.Process) -> str:
 
 
 def test_python_m_workers_help():
-    proc = run("--help", cmd=[sys.executable, "-m", "workers"], timeout=60)
+    proc = run("--help", cmd=[sys.executable, "-m", "kvshm.workers"], timeout=60)
     assert proc.returncode == 0, proc.stderr
     for option in ("--isolated", "--compare", "--kill-worker", "--workload", "--connect"):
         assert option in proc.stdout

@@ -10,7 +10,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from workers.topology import (Node, PinError, describe, discover, format_cpulist,
+from kvshm.workers.topology import (Node, PinError, describe, discover, format_cpulist,
                               parse_cpulist, pin, plan)
 
 

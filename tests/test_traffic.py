@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from workers.traffic import Item, SyntheticSpec, assign, load_jsonl, synthetic, tokenize
+from kvshm.workers.traffic import Item, SyntheticSpec, assign, load_jsonl, synthetic, tokenize
 
 N = 2000
 
@@ -65,7 +65,7 @@ def test_same_seed_same_items_other_seed_differs(stream):
 
 def test_same_items_in_a_process_with_another_hash_seed(stream):
     code = ("import itertools, hashlib, sys\n"
-            "from workers.traffic import synthetic, SyntheticSpec, tokenize\n"
+            "from kvshm.workers.traffic import synthetic, SyntheticSpec, tokenize\n"
             "h = hashlib.sha256()\n"
             "for it in itertools.islice(synthetic(SyntheticSpec()), 500):\n"
             "    h.update(repr((it.rid, it.prompt, it.output, it.conversation, "

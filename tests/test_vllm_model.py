@@ -19,7 +19,7 @@ from kvshm.vllm.model import (
     read_model,
     write_tiny_model,
 )
-from workers.engine import UnsupportedModel, check_supported
+from kvshm.workers.engine import UnsupportedModel, check_supported
 
 
 def model(tmp_path, **changes):

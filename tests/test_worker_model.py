@@ -17,16 +17,16 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # workers/ is not an installed package
     sys.path.insert(0, str(ROOT))
 
-from workers import attention as wa  # noqa: E402
-from workers import model as wm  # noqa: E402
-from workers.attention import (  # noqa: E402
+from kvshm.workers import attention as wa  # noqa: E402
+from kvshm.workers import model as wm  # noqa: E402
+from kvshm.workers.attention import (  # noqa: E402
     attention,
     mismatching_blocks,
     paged_attention,
     read_kv,
     write_kv,
 )
-from workers.model import Context, TinyModel, resolve_dtype  # noqa: E402
+from kvshm.workers.model import Context, TinyModel, resolve_dtype  # noqa: E402
 
 try:
     import ml_dtypes
@@ -318,7 +318,7 @@ CHILD = textwrap.dedent(
     """
     import hashlib, sys
     import numpy as np
-    from workers.model import TinyModel
+    from kvshm.workers.model import TinyModel
     dtype, seed, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     m = TinyModel(num_layers=4, num_kv_heads=4, head_size=32, dtype=dtype, seed=seed,
                   d_model=256, max_positions=4096)

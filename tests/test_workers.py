@@ -19,8 +19,8 @@ from kvshm.core.check import check_segment
 from kvshm.core.errors import SegmentError
 from kvshm.core.specs import FullSpec, KVShape, MambaSpec, SlidingWindowSpec
 from kvshm.service.client import connect
-from workers.engine import Engine, EngineOptions, UnsupportedModel, check_supported
-from workers.traffic import Item, SyntheticSpec, assign, synthetic
+from kvshm.workers.engine import Engine, EngineOptions, UnsupportedModel, check_supported
+from kvshm.workers.traffic import Item, SyntheticSpec, assign, synthetic
 
 BS = 16
 SHAPE = KVShape(num_layers=2, num_kv_heads=2, head_size=16, dtype="float32")

@@ -1,7 +1,7 @@
-"""`python -m workers`: the same as `kvshm run`."""
+"""`python -m kvshm.workers`: the same as `kvshm run`."""
 
 import sys
 
-from workers.run import main
+from kvshm.workers.run import main
 
 sys.exit(main())

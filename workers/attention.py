@@ -8,7 +8,7 @@ import operator
 
 import numpy as np
 
-from workers.model import nonneg_int, positive_int
+from kvshm.workers.model import nonneg_int, positive_int
 
 # Arena layout: ``kv[block, layer, 0 (K) | 1 (V), slot, kv_head, dim]``. Token
 # ``pos`` of a request lives in ``block_ids[pos // block_size]`` at slot

@@ -17,8 +17,8 @@ from typing import Literal, Union
 import msgspec
 
 from kvshm.core.hashing import DEFAULT_HASH_ALGORITHM, DEFAULT_HASH_SEED
-from workers.engine import EngineOptions, EngineStats
-from workers.traffic import SyntheticSpec
+from kvshm.workers.engine import EngineOptions, EngineStats
+from kvshm.workers.traffic import SyntheticSpec
 
 
 class WorkloadSpec(msgspec.Struct, frozen=True, kw_only=True):

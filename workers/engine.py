@@ -12,6 +12,10 @@ recomputed later), as vLLM's scheduler does, in a follow-up batch.
 Blocks are cached only after their K/V are in the arena (allocations use
 `delay_cache_blocks`, and the next step's batch caches what was computed),
 so another worker can never hit a block whose bytes are not written yet.
+
+`kvshm demo` and the service benchmark schedule with kvshm/workload.py
+instead, a compute-free, seed-only scheduler with the same policies: its
+docstring says why the two are kept apart; change both together.
 """
 
 from __future__ import annotations
@@ -28,9 +32,9 @@ import numpy as np
 from kvshm.core.specs import FullSpec, MLASpec, PoolConfig, SlidingWindowSpec
 from kvshm.service import protocol as p
 from kvshm.service.errors import ReplyLost, ResumeFailed
-from workers.attention import attention, mismatching_blocks, paged_attention, write_kv
-from workers.model import TinyModel
-from workers.traffic import Item
+from kvshm.workers.attention import attention, mismatching_blocks, paged_attention, write_kv
+from kvshm.workers.model import TinyModel
+from kvshm.workers.traffic import Item
 
 SUPPORTED_SPECS = (FullSpec, MLASpec, SlidingWindowSpec)
 

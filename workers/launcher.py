@@ -1,8 +1,8 @@
-"""`kvshm run` / `python -m workers`: start a coordinator (or join one), launch
+"""`kvshm run` / `python -m kvshm.workers`: start a coordinator (or join one), launch
 N pinned CPU workers on a shared workload, show live progress, print a summary.
 
 One run is a `Launch`: coordinator(s) as `kvshm serve` children, workers as
-`python -m workers.worker` children (each in its own session, so Ctrl-C
+`python -m kvshm.workers.worker` children (each in its own session, so Ctrl-C
 reaches only this process, which stops the workers, then the coordinators),
 their reports (workers/channel.py) merged into progress and a final
 `RunResult`.  `--isolated`
@@ -24,7 +24,7 @@ import msgspec
 from kvshm.core.hashing import DEFAULT_HASH_ALGORITHM, DEFAULT_HASH_SEED
 from kvshm.core.specs import PoolConfig
 from kvshm.service.process import die_with_parent
-from workers.channel import (
+from kvshm.workers.channel import (
     Done,
     Failed,
     Progress,
@@ -33,8 +33,8 @@ from workers.channel import (
     WorkloadSpec,
     read_report,
 )
-from workers.engine import EngineOptions, EngineStats
-from workers.topology import (
+from kvshm.workers.engine import EngineOptions, EngineStats
+from kvshm.workers.topology import (
     Node,
     Plan,
     allowed_cpus,
@@ -283,7 +283,7 @@ class Launch:
             cpus=tuple(node.cpus) if opts.pin else (), workload=opts.workload,
             engine=opts.engine, **self._hash(), duration=opts.duration, grace=opts.grace,
             reconnect_timeout=opts.reconnect_timeout)
-        args = [sys.executable, "-m", "workers.worker", spec.encode()]
+        args = [sys.executable, "-m", "kvshm.workers.worker", spec.encode()]
         return await asyncio.create_subprocess_exec(
             *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env,
             start_new_session=True, limit=2**26, preexec_fn=die_with_parent)
@@ -384,7 +384,7 @@ class Launch:
         workers can run on it (refused here rather than in every worker)."""
         from kvshm.core.errors import InvalidArgument
         from kvshm.service.client import connect
-        from workers.engine import UnsupportedModel, check_supported
+        from kvshm.workers.engine import UnsupportedModel, check_supported
         client = await connect(self.sockets[0], **self._hash())
         try:
             self.config = client.config

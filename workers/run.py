@@ -1,4 +1,4 @@
-"""The `kvshm run` command (also `python -m workers`): its arguments, the
+"""The `kvshm run` command (also `python -m kvshm.workers`): its arguments, the
 shared / isolated / compare runs, and the printed summary.
 
 Exit status: 0 when every integrity check passed and every worker finished
@@ -16,9 +16,9 @@ from pathlib import Path
 from kvshm.config import RUN_KV_MEMORY, PoolSource, pool_bytes, resolve_config
 from kvshm.core.errors import KvshmError
 from kvshm.core.hashing import DEFAULT_HASH_ALGORITHM, DEFAULT_HASH_SEED
-from workers.channel import WorkloadSpec
-from workers.engine import EngineOptions
-from workers.launcher import (
+from kvshm.workers.channel import WorkloadSpec
+from kvshm.workers.engine import EngineOptions
+from kvshm.workers.launcher import (
     LaunchOptions,
     RunResult,
     isolated_config,
@@ -26,7 +26,7 @@ from workers.launcher import (
     make_plan,
     percentile,
 )
-from workers.topology import describe, format_cpulist
+from kvshm.workers.topology import describe, format_cpulist
 
 DEFAULT_PRESET = "tiny"
 
@@ -88,7 +88,7 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
     """LaunchOptions from parsed arguments; raises ValueError / KvshmError
     with a message for the user."""
     if args.workers is None:
-        from workers.topology import discover
+        from kvshm.workers.topology import discover
         args.workers = max(2, sum(1 for node in discover() if not node.virtual))
     if args.workers < 1:
         raise ValueError(f"--workers must be at least 1 (got {args.workers})")
@@ -124,7 +124,7 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
     if args.requests is not None and args.requests < 1:
         raise ValueError(f"--requests must be at least 1 (got {args.requests})")
     if args.workload == "synthetic":
-        from workers.traffic import SyntheticSpec
+        from kvshm.workers.traffic import SyntheticSpec
         spec = SyntheticSpec(seed=args.seed).fit(max_len).validate()
         workload = WorkloadSpec(kind="synthetic", synthetic=spec, limit=args.requests,
                                 assign=args.assign)
@@ -132,7 +132,7 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
         path = Path(args.workload)
         if not path.is_file():
             raise ValueError(f"--workload: {path} is not a file (or say 'synthetic')")
-        from workers.traffic import load_jsonl
+        from kvshm.workers.traffic import load_jsonl
         load_jsonl(path, max_len=max_len)    # bad lines fail here, not in N workers
         workload = WorkloadSpec(kind="jsonl", path=str(path.resolve()), max_len=max_len,
                                 limit=args.requests, assign=args.assign)
@@ -144,7 +144,7 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
     if config is not None:
         from kvshm.arena import resolve_dtype
         from kvshm.core.segment import check_shm_space
-        from workers.engine import check_supported
+        from kvshm.workers.engine import check_supported
         check_supported(config)
         resolve_dtype(config.kv.dtype)   # e.g. bfloat16 without ml_dtypes: say so now
         pools = args.workers if (args.isolated or args.compare) else 1
@@ -363,7 +363,7 @@ def comparison(shared: RunResult, isolated: RunResult) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
-        prog="python -m workers", description="run kvshm CPU workers on a shared KV pool "
+        prog="python -m kvshm.workers", description="run kvshm CPU workers on a shared KV pool "
         "(same as `kvshm run`)")
     add_arguments(ap)
     return run(ap.parse_args(argv))

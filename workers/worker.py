@@ -1,7 +1,7 @@
 """One CPU worker process: pins itself, connects to the coordinator, maps the
 KV arena and runs the engine on its share of the workload.
 
-The launcher (`workers/launcher.py`) starts it as `python -m workers.worker
+The launcher (`workers/launcher.py`) starts it as `python -m kvshm.workers.worker
 SPEC`, SPEC being a `WorkerSpec` as JSON, and reads its reports from stdout
 (`Ready`, `Progress`, then `Done` or `Failed`; workers/channel.py).
 """
@@ -17,8 +17,8 @@ import time
 
 import msgspec
 
-from workers.channel import Done, Failed, Progress, Ready, WorkerSpec, WorkloadSpec, emit
-from workers.traffic import assign, load_jsonl, synthetic
+from kvshm.workers.channel import Done, Failed, Progress, Ready, WorkerSpec, WorkloadSpec, emit
+from kvshm.workers.traffic import assign, load_jsonl, synthetic
 
 
 def workload_items(workload: WorkloadSpec, index: int, num_workers: int):
@@ -35,7 +35,7 @@ def workload_items(workload: WorkloadSpec, index: int, num_workers: int):
 async def serve_worker(spec: WorkerSpec) -> int:
     from kvshm.service.client import connect
     from kvshm.service.resume import Reconnect
-    from workers.engine import Engine, EngineStats
+    from kvshm.workers.engine import Engine, EngineStats
 
     client = await connect(spec.socket, node=spec.node, hash_algorithm=spec.hash_algorithm,
                            hash_seed=spec.hash_seed,
@@ -76,7 +76,7 @@ async def serve_worker(spec: WorkerSpec) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m workers.worker",
+    ap = argparse.ArgumentParser(prog="python -m kvshm.workers.worker",
                                  description="one kvshm CPU worker (started by kvshm run)")
     ap.add_argument("spec", help="the worker's WorkerSpec as JSON (workers/channel.py)")
     args = ap.parse_args(argv)
@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         if spec.cpus:
-            from workers.topology import pin
+            from kvshm.workers.topology import pin
             pin(spec.cpus)
         from kvshm.service.loop import run_async
         return run_async(serve_worker(spec))
