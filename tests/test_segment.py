@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import struct
 import subprocess
 import sys
@@ -101,7 +102,7 @@ def test_existing_name_and_bad_names_are_refused():
 def test_short_dev_shm_fails_with_the_fix_in_the_message(monkeypatch):
     class Usage:
         free = 1000
-    monkeypatch.setattr(segmod.shutil, "disk_usage", lambda path: Usage)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: Usage)
     with pytest.raises(ShmSpaceError) as e:
         KVCacheManager(CFG, name="kvshm-test-space")
     assert "shm-size" in str(e.value) and e.value.available == 1000

@@ -155,7 +155,8 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
               "seed": args.seed}
     if config is not None:
         from kvshm.arena import arena_bytes, resolve_dtype
-        from kvshm.core.segment import Layout, check_shm_space
+        from kvshm.core.segment import Layout
+        from kvshm.core.shm import check_shm_space
         from workers.engine import check_supported
         check_supported(config)
         resolve_dtype(config.kv.dtype)   # e.g. bfloat16 without ml_dtypes: say so now
