@@ -1,4 +1,5 @@
-"""The pool's shared-memory segment: layout, create / attach / close / unlink.
+"""The pool's shared-memory segment: layout, create / attach / close / unlink,
+the consistent read over the mutation counter, and `ls` / `rm` helpers.
 
 All pool state lives here in flat arrays (no Python object per block), so a
 pool of millions of blocks starts in milliseconds and a restarted
@@ -36,7 +37,8 @@ not a million Python stores.
 
 Writers bracket every mutation with `begin_mutation()` / `BlockPool.publish()`:
 `mutation_seq` is odd while a mutation is in progress, so a reader that sees
-the same even value before and after its read got a consistent snapshot.
+the same even value before and after its read got a consistent snapshot
+(`PoolSegment.read_consistent`).
 A frame (one op, or a coordinator frame of many) is also journaled: the
 undo log holds what it overwrote in the authoritative arrays until it
 commits, so a restarted coordinator can roll a cut-off frame back
@@ -50,11 +52,15 @@ import os
 import struct
 import sys
 import time
+from collections.abc import Callable
+from typing import TypeVar
 
 from kvshm.core.errors import SegmentError
 from kvshm.core.hashing import HASH_SLOT_BYTES
 from kvshm.core.shm import SHM_DIR, OwnedMapping, Shm, create_shm, open_shm, unlink_shm
 from kvshm.core.specs import PoolConfig
+
+T = TypeVar("T")
 
 MAGIC = b"KVSHMPL\0"
 # The KV data arena (kvshm/arena.py) shares the pool header's first fields
@@ -313,25 +319,39 @@ class PoolSegment(OwnedMapping):
         words = self.words
         words[SEQ_WORD] |= 1
 
-    def read_counters(self, timeout: float = 1.0) -> dict[str, int]:
-        """A consistent snapshot of the counters (retries torn reads).
+    def read_consistent(self, read: Callable[[], T], timeout: float = 1.0, *,
+                        pause: float = 0.0005, torn_ok: bool = False) -> tuple[T, bool]:
+        """Call `read()` (which copies what it needs out of the segment) until
+        no mutation overlapped it: the mutation counter was even and the same
+        before and after the call.  Between attempts it sleeps `pause` s.
 
-        Raises SegmentError if no mutation-free moment comes within `timeout`
-        seconds (a writer that died mid-mutation leaves the counter odd).
+        Returns `(result, consistent)`.  After `timeout` seconds without a
+        mutation-free moment (a writer that died mid-mutation leaves the
+        counter odd) it returns the last, possibly torn result and False if
+        `torn_ok`, and raises SegmentError otherwise.
         """
-        off = HEADER_FIELDS["mutation_seq"][0]
+        words = self.words
         deadline = time.monotonic() + timeout
         while True:
-            before = struct.unpack_from("Q", self.header, off)[0]
-            values = _COUNTERS.unpack_from(self.header, _COUNTERS_OFFSET)
-            after = struct.unpack_from("Q", self.header, off)[0]
+            before = words[SEQ_WORD]
+            result = read()
+            after = words[SEQ_WORD]
             if before == after and not before & 1:
-                return dict(zip(COUNTER_FIELDS, values))
+                return result, True
             if time.monotonic() > deadline:
+                if torn_ok:
+                    return result, False
                 raise SegmentError(
                     f"segment {self.name!r}: a mutation has been in progress for "
                     f"{timeout}s (its writer may have died mid-operation)")
-            time.sleep(0.0005)
+            time.sleep(pause)
+
+    def read_counters(self, timeout: float = 1.0) -> dict[str, int]:
+        """A consistent snapshot of the header counters (COUNTER_FIELDS).
+        Raises SegmentError as `read_consistent` does."""
+        values, _ = self.read_consistent(
+            lambda: _COUNTERS.unpack_from(self.header, _COUNTERS_OFFSET), timeout)
+        return dict(zip(COUNTER_FIELDS, values))
 
     # -- request slots ---------------------------------------------------------
     def slot_request_id(self, slot: int) -> str:
