@@ -213,9 +213,10 @@ def check_segment(seg: PoolSegment, pool=None, timeout: float = 2.0) -> CheckRep
 
 def _check_index(pool, snap: _Snapshot, rep: CheckReport) -> None:
     """The owner's hash -> block index agrees with the segment both ways."""
-    dsz = pool._dsz
+    dsz = pool.digest_size
     seen = 0
-    for g, m in enumerate(pool._maps):
+    for g in range(len(pool.segment.config.groups)):
+        m = pool.hash_to_block(g)
         for key, hit in m.items():
             blocks = [hit] if hit.__class__ is int else list(hit)
             for b in blocks:

@@ -100,7 +100,7 @@ class SingleTypeManager:
         # Hits below the window are not taken; hits sitting in the free queue
         # leave it when touched, so they count against the free blocks.
         skip = num_skipped_blocks - num_req_blocks
-        ref = self.pool._ref
+        ref = self.pool.ref_cnt
         num_evictable = 0
         for b in new_computed_blocks[skip if skip > 0 else 0:]:
             if b and ref[b] == 0:
@@ -244,7 +244,7 @@ class FullAttentionManager(SingleTypeManager):
         n = min(max_length // bs, len(hashes))
         pool = self.pool
         if len(group_ids) == 1:
-            lookup = pool._maps[group_ids[0]].get
+            lookup = pool.hash_to_block(group_ids[0]).get
             hit = []
             for i in range(n):
                 b = lookup(hashes[i])
@@ -272,7 +272,7 @@ class FullAttentionManager(SingleTypeManager):
     def get_num_common_prefix_blocks(self, request_id: str) -> int:
         blocks = self._entry(request_id)
         num_reqs = len(self.req_to_blocks)
-        ref = self.pool._ref
+        ref = self.pool.ref_cnt
         n = 0
         for b in blocks:
             if ref[b] != num_reqs:
