@@ -95,7 +95,8 @@ class BlockPool:
             self.publish()
 
     def hash_to_block(self, group_id: int) -> dict:
-        """The prefix-cache index of group `group_id` itself (not a copy):
+        """The prefix-cache index of group `group_id` itself (not a copy, and
+        the same dict for the pool's lifetime, so it may be bound once):
         hash -> cached block id, or, when several blocks are cached under
         one hash, an insertion-ordered dict {block id: None} whose first key
         is the earliest cached.  For lookups; change it only through this

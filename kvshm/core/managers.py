@@ -48,6 +48,9 @@ class SingleTypeManager:
         self.hash_stride = self.block_size // config.hash_block_size or 1
         self.req_to_blocks: dict[str, list[int]] = {}
         self.num_cached_block: dict[str, int] = {}
+        # Every group's prefix-cache index, bound once: the pool keeps each
+        # group's dict for its lifetime.
+        self._hash_to_block = [pool.hash_to_block(g) for g in range(len(config.groups))]
         # Tokens of extra slots this type allocates beyond the need (Mamba's
         # speculative blocks).
         self.extra_tokens = 0
@@ -244,7 +247,7 @@ class FullAttentionManager(SingleTypeManager):
         n = min(max_length // bs, len(hashes))
         pool = self.pool
         if len(group_ids) == 1:
-            lookup = pool.hash_to_block(group_ids[0]).get
+            lookup = self._hash_to_block[group_ids[0]].get
             hit = []
             for i in range(n):
                 b = lookup(hashes[i])
