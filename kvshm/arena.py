@@ -38,15 +38,8 @@ import struct
 import numpy as np
 
 from kvshm.core.errors import SegmentError
-from kvshm.core.segment import (
-    _HEADER,
-    ARENA_MAGIC,
-    OwnedMapping,
-    _Shm,
-    config_fingerprint,
-    create_shm,
-    open_shm,
-)
+from kvshm.core.segment import ARENA_MAGIC, HEADER_FIELDS, config_fingerprint
+from kvshm.core.shm import OwnedMapping, Shm, create_shm, open_shm
 from kvshm.core.specs import PoolConfig
 
 ARENA_LAYOUT_VERSION = 1
@@ -134,13 +127,13 @@ class KVArena(OwnedMapping):
     views.  `KVArena.create` in the coordinator, `KVArena.attach` elsewhere;
     only the creator unlinks."""
 
-    def __init__(self, shm: _Shm, layout: ArenaLayout, owner: bool) -> None:
+    def __init__(self, shm: Shm, layout: ArenaLayout, owner: bool) -> None:
         self._shm = shm
         self.layout = layout
         self.name = shm.name
         self.owner = owner
         self.closed = False
-        self.writer = np.frombuffer(shm._mmap, dtype=np.int32, count=layout.num_blocks,
+        self.writer = np.frombuffer(shm.mmap, dtype=np.int32, count=layout.num_blocks,
                                     offset=layout.writer_offset)
         self._kv: np.ndarray | None = None
 
@@ -155,7 +148,7 @@ class KVArena(OwnedMapping):
                 raise SegmentError(f"arena {self.name!r} is closed")
             lay = self.layout
             self._kv = np.frombuffer(
-                self._shm._mmap, dtype=resolve_dtype(lay.dtype_name),
+                self._shm.mmap, dtype=resolve_dtype(lay.dtype_name),
                 count=int(np.prod(lay.shape)), offset=lay.data_offset).reshape(lay.shape)
         return self._kv
 
@@ -205,7 +198,7 @@ class KVArena(OwnedMapping):
     def claim(self) -> None:
         """Record this process as the arena's owner (a coordinator adopting
         it after a restart)."""
-        struct.pack_into("Q", self._shm.buf, _HEADER["coordinator_pid"][0], os.getpid())
+        struct.pack_into("Q", self._shm.buf, HEADER_FIELDS["coordinator_pid"][0], os.getpid())
 
     def close(self) -> None:
         """Drop this process's mapping (idempotent).  Views taken from `kv`
@@ -221,15 +214,15 @@ class KVArena(OwnedMapping):
                                "alive; drop them before close()") from None
 
 
-def _write_header(shm: _Shm, layout: ArenaLayout) -> None:
+def _write_header(shm: Shm, layout: ArenaLayout) -> None:
     buf = shm.buf
     pack = struct.pack_into
-    pack("8s", buf, _HEADER["magic"][0], ARENA_MAGIC)
-    pack("I", buf, _HEADER["layout_version"][0], ARENA_LAYOUT_VERSION)
-    pack("I", buf, _HEADER["header_size"][0], HEADER_BYTES)
-    pack("32s", buf, _HEADER["config_fingerprint"][0], config_fingerprint(layout.config))
-    pack("Q", buf, _HEADER["num_blocks"][0], layout.num_blocks)
-    pack("Q", buf, _HEADER["coordinator_pid"][0], os.getpid())
+    pack("8s", buf, HEADER_FIELDS["magic"][0], ARENA_MAGIC)
+    pack("I", buf, HEADER_FIELDS["layout_version"][0], ARENA_LAYOUT_VERSION)
+    pack("I", buf, HEADER_FIELDS["header_size"][0], HEADER_BYTES)
+    pack("32s", buf, HEADER_FIELDS["config_fingerprint"][0], config_fingerprint(layout.config))
+    pack("Q", buf, HEADER_FIELDS["num_blocks"][0], layout.num_blocks)
+    pack("Q", buf, HEADER_FIELDS["coordinator_pid"][0], os.getpid())
     kv = layout.config.kv
     for field, value in (("num_layers", kv.num_layers),
                          ("block_size", layout.config.kv_block_size),
@@ -242,15 +235,15 @@ def _write_header(shm: _Shm, layout: ArenaLayout) -> None:
         pack(fmt, buf, off, value)
 
 
-def _read_layout(shm: _Shm, name: str, expect: PoolConfig) -> ArenaLayout:
+def _read_layout(shm: Shm, name: str, expect: PoolConfig) -> ArenaLayout:
     buf = shm.buf
     if len(buf) < HEADER_BYTES or bytes(buf[:8]) != ARENA_MAGIC:
         raise SegmentError(f"segment {name!r} is not a kvshm KV arena")
-    version = struct.unpack_from("I", buf, _HEADER["layout_version"][0])[0]
+    version = struct.unpack_from("I", buf, HEADER_FIELDS["layout_version"][0])[0]
     if version != ARENA_LAYOUT_VERSION:
         raise SegmentError(f"arena {name!r} has layout version {version}; this kvshm "
                            f"reads version {ARENA_LAYOUT_VERSION}")
-    found = bytes(struct.unpack_from("32s", buf, _HEADER["config_fingerprint"][0])[0])
+    found = bytes(struct.unpack_from("32s", buf, HEADER_FIELDS["config_fingerprint"][0])[0])
     if found != config_fingerprint(expect):
         raise SegmentError(f"arena {name!r} was made for another pool config")
     layout = ArenaLayout(expect)

@@ -94,7 +94,7 @@ def segment_name(arg: str) -> str:
         SegmentError: `arg` is a path outside SHM_DIR or not a valid name.
     """
     from kvshm.core.errors import SegmentError
-    from kvshm.core.segment import SHM_DIR, valid_name
+    from kvshm.core.shm import SHM_DIR, valid_name
 
     name = arg
     if "/" in arg:

@@ -235,7 +235,7 @@ def test_free_queue_out_of_lru_order(m):
 
 def test_stale_index_entry_for_an_uncached_block(m):
     pool = m.block_pool
-    pool._maps[0][b"\x42" * pool._dsz] = 9  # block 9 is free and not cached
+    pool.hash_to_block(0)[b"\x42" * pool.digest_size] = 9  # block 9 is free and not cached
     assert_reports(m, "maps to block 9, which is not cached (stale entry)",
                    "index holds 6 cached blocks, the segment 5", only=True)
 
@@ -247,7 +247,7 @@ def test_cached_flag_cleared_under_the_index(m):
 
 
 def test_stale_index_not_checked_without_the_pool(m):
-    m.block_pool._maps[0][b"\x42" * m.block_pool._dsz] = 9
+    m.block_pool.hash_to_block(0)[b"\x42" * m.block_pool.digest_size] = 9
     assert report(m, pool=False).clean
 
 

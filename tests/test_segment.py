@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import struct
 import subprocess
 import sys
@@ -13,6 +14,7 @@ from kvshm import FullSpec, KVCacheManager, PoolConfig, PoolSegment, Request
 from kvshm.core import segment as segmod
 from kvshm.core.errors import SegmentError, ShmSpaceError
 from kvshm.core.segment import FLAG_NULL, Layout, list_segments, remove_segment
+from kvshm.core.stats import read_stats
 
 CFG = PoolConfig(num_blocks=16, hash_block_size=4, max_model_len=32,
                  groups=(FullSpec(4),), max_num_seqs=4)
@@ -101,7 +103,7 @@ def test_existing_name_and_bad_names_are_refused():
 def test_short_dev_shm_fails_with_the_fix_in_the_message(monkeypatch):
     class Usage:
         free = 1000
-    monkeypatch.setattr(segmod.shutil, "disk_usage", lambda path: Usage)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: Usage)
     with pytest.raises(ShmSpaceError) as e:
         KVCacheManager(CFG, name="kvshm-test-space")
     assert "shm-size" in str(e.value) and e.value.available == 1000
@@ -150,3 +152,51 @@ def test_header_is_native_words():
     with KVCacheManager(CFG) as m:
         raw = bytes(m.segment.header[:256])
         assert struct.unpack_from("Q", raw, 64)[0] == 16
+
+
+# -- the consistent read over the mutation counter -------------------------------------
+
+def test_consistent_read_takes_one_attempt_when_nothing_mutates():
+    with KVCacheManager(CFG) as m:
+        calls = []
+        result, consistent = m.segment.read_consistent(lambda: calls.append(1) or "x")
+        assert (result, consistent, len(calls)) == ("x", True, 1)
+
+
+def test_consistent_read_retries_while_the_counter_changes_or_is_odd():
+    with KVCacheManager(CFG) as m:
+        seg, words, seq = m.segment, m.segment.words, segmod.SEQ_WORD
+        calls = []
+
+        def read():
+            calls.append(words[seq])
+            if len(calls) == 1:
+                words[seq] += 2          # a whole mutation overlapped this read
+            elif len(calls) == 2:
+                seg.begin_mutation()     # a writer is in the middle of one
+            elif len(calls) == 3:
+                m.block_pool.publish()   # ... and finishes it during this read
+            return len(calls)
+
+        assert seg.read_consistent(read) == (4, True)
+        assert calls[1] == calls[0] + 2 and calls[2] & 1 and calls[3] == calls[1] + 2
+
+
+def test_consistent_read_gives_up_after_the_timeout():
+    with KVCacheManager(CFG) as m:
+        seg = m.segment
+        seg.begin_mutation()  # a writer that died mid-mutation
+        calls = []
+        with pytest.raises(SegmentError, match=r"a mutation has been in progress for "
+                                               r"0\.02s \(its writer may have died"):
+            seg.read_consistent(lambda: calls.append(1), timeout=0.02)
+        assert len(calls) > 1
+        with pytest.raises(SegmentError, match="in progress for 0.02s"):
+            seg.read_counters(timeout=0.02)
+        assert seg.read_consistent(lambda: len(calls), 0.02, torn_ok=True) \
+            == (len(calls), False)
+        st = read_stats(seg, timeout=0.02)
+        assert st["consistent"] is False and st["num_free_blocks"] == 15
+        m.block_pool.publish()
+        assert seg.read_counters(timeout=0.02)["num_free_blocks"] == 15
+        assert read_stats(seg, timeout=0.02)["consistent"] is True

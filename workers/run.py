@@ -143,7 +143,7 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
                            seed=args.seed)
     if config is not None:
         from kvshm.arena import resolve_dtype
-        from kvshm.core.segment import check_shm_space
+        from kvshm.core.shm import check_shm_space
         from kvshm.workers.engine import check_supported
         check_supported(config)
         resolve_dtype(config.kv.dtype)   # e.g. bfloat16 without ml_dtypes: say so now

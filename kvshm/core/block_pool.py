@@ -40,6 +40,13 @@ class BlockPool:
     Args:
         segment: a freshly created segment (`attach=False`), or one that holds
             state to adopt (`attach=True`: the hash maps are rebuilt).
+
+    Read-only state for the managers and the checker (hot loops bind it once
+    per call and index it directly):
+        ref_cnt: the segment's int32 ref count per block id (0 for a free
+            block; the null block's is not maintained).
+        digest_size: bytes of a block hash under the pool's hash algorithm.
+        hash_to_block(group_id): one group's prefix-cache index.
     """
 
     def __init__(self, segment: PoolSegment, *, attach: bool = False) -> None:
@@ -49,7 +56,7 @@ class BlockPool:
         self.enable_caching = cfg.enable_caching
         self.hash_block_size = cfg.hash_block_size
         self._sentinel = cfg.num_blocks
-        self._ref = segment.ref_cnt
+        self.ref_cnt = segment.ref_cnt
         self._next = segment.next_delta
         self._prev = segment.prev_delta
         self._free_stamp = segment.free_stamp
@@ -59,7 +66,7 @@ class BlockPool:
         self._hashes = segment.hashes
         self._words = segment.words
         self._journal = segment.journal
-        self._dsz = digest_size(cfg.hash_algorithm)
+        self.digest_size = digest_size(cfg.hash_algorithm)
         self.num_cached_blocks = 0
         # group id -> {hash: block id | {block id: None, ...}}
         self._maps: list[dict] = [{} for _ in cfg.groups]
@@ -86,6 +93,15 @@ class BlockPool:
             for b in self._popleft_n(cfg.num_sink_blocks):
                 self._flags[b] = FLAG_SINK
             self.publish()
+
+    def hash_to_block(self, group_id: int) -> dict:
+        """The prefix-cache index of group `group_id` itself (not a copy, and
+        the same dict for the pool's lifetime, so it may be bound once):
+        hash -> cached block id, or, when several blocks are cached under
+        one hash, an insertion-ordered dict {block id: None} whose first key
+        is the earliest cached.  For lookups; change it only through this
+        class."""
+        return self._maps[group_id]
 
     @property
     def next_cache_stamp(self) -> int:
@@ -171,7 +187,7 @@ class BlockPool:
         if num_blocks > self.num_free_blocks:
             raise NoFreeBlocks(num_blocks, self.num_free_blocks)
         out = self._popleft_n(num_blocks)
-        ref, flags = self._ref, self._flags
+        ref, flags = self.ref_cnt, self._flags
         for b in out:
             if flags[b]:
                 self._evict(b)
@@ -181,7 +197,7 @@ class BlockPool:
     def touch(self, blocks: Sequence[int]) -> None:
         """Take a reference on prefix-cache hits; a hit that sat in the free
         queue leaves it."""
-        ref = self._ref
+        ref = self.ref_cnt
         for b in blocks:
             if b:
                 r = ref[b]
@@ -192,7 +208,7 @@ class BlockPool:
     def free_blocks(self, ordered_blocks: Iterable[int]) -> None:
         """Drop one reference on each block; blocks reaching 0 join the tail of
         the free queue in the given order (the first one is evicted first)."""
-        ref = self._ref
+        ref = self.ref_cnt
         freed = []
         for b in ordered_blocks:
             if b:
@@ -240,14 +256,14 @@ class BlockPool:
         if not self._flags[block] & FLAG_CACHED:
             return None
         off = block * _H
-        return bytes(self._hashes[off:off + self._dsz])
+        return bytes(self._hashes[off:off + self.digest_size])
 
     def _evict(self, b: int) -> None:
         """Drop block `b` from the prefix cache (its flags are known set)."""
         if not self._flags[b] & FLAG_CACHED:
             return
         off = b * _H
-        key = bytes(self._hashes[off:off + self._dsz])
+        key = bytes(self._hashes[off:off + self.digest_size])
         m = self._maps[self._group[b]]
         cur = m.pop(key)
         if cur.__class__ is not int:
@@ -295,7 +311,7 @@ class BlockPool:
             m.clear()
         for b in cached:
             off = b * _H
-            key = bytes(self._hashes[off:off + self._dsz])
+            key = bytes(self._hashes[off:off + self.digest_size])
             m = self._maps[group[b]]
             cur = m.get(key)
             if cur is None:

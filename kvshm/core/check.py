@@ -8,7 +8,6 @@ the in-memory hash index against the segment.
 
 from __future__ import annotations
 
-import time
 from array import array
 from dataclasses import dataclass, field
 
@@ -18,7 +17,6 @@ from kvshm.core.segment import (
     FLAG_NULL,
     FLAG_SINK,
     RID_BYTES,
-    SEQ_WORD,
     SLOT_META_FIELDS,
     PoolSegment,
 )
@@ -62,30 +60,24 @@ class _Snapshot:
              "hash_group", "flags", "hashes", "slot_meta", "slot_rid", "slot_counts")
 
     def __init__(self, seg: PoolSegment, timeout: float) -> None:
-        words = seg.words
-        deadline = time.monotonic() + timeout
-        while True:
-            before = words[SEQ_WORD]
-            for name in self.NAMES:
-                view = getattr(seg, name)
-                copy = array(view.format)
-                copy.frombytes(view.cast("B"))
-                setattr(self, name, copy)
-            self.tables = []
-            for t in seg.tables:
-                copy = array("i")
-                copy.frombytes(t.cast("B"))
-                self.tables.append(copy)
-            self.counters = {f: seg.get(f) for f in ("num_free_blocks", "num_requests")}
-            after = words[SEQ_WORD]
-            if before == after and not before & 1:
-                self.torn = False
-                return
-            if time.monotonic() > deadline:
-                # A writer died mid-mutation (or is very busy): check what is there.
-                self.torn = True
-                return
-            time.sleep(0.001)
+        # A copy still torn after `timeout` s (a writer died mid-mutation, or
+        # is very busy) is checked as it is.
+        _, consistent = seg.read_consistent(lambda: self._copy(seg), timeout,
+                                            pause=0.001, torn_ok=True)
+        self.torn = not consistent
+
+    def _copy(self, seg: PoolSegment) -> None:
+        for name in self.NAMES:
+            view = getattr(seg, name)
+            copy = array(view.format)
+            copy.frombytes(view.cast("B"))
+            setattr(self, name, copy)
+        self.tables = []
+        for t in seg.tables:
+            copy = array("i")
+            copy.frombytes(t.cast("B"))
+            self.tables.append(copy)
+        self.counters = {f: seg.get(f) for f in ("num_free_blocks", "num_requests")}
 
 
 def check_segment(seg: PoolSegment, pool=None, timeout: float = 2.0) -> CheckReport:
@@ -221,9 +213,10 @@ def check_segment(seg: PoolSegment, pool=None, timeout: float = 2.0) -> CheckRep
 
 def _check_index(pool, snap: _Snapshot, rep: CheckReport) -> None:
     """The owner's hash -> block index agrees with the segment both ways."""
-    dsz = pool._dsz
+    dsz = pool.digest_size
     seen = 0
-    for g, m in enumerate(pool._maps):
+    for g in range(len(pool.segment.config.groups)):
+        m = pool.hash_to_block(g)
         for key, hit in m.items():
             blocks = [hit] if hit.__class__ is int else list(hit)
             for b in blocks:

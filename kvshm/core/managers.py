@@ -48,6 +48,9 @@ class SingleTypeManager:
         self.hash_stride = self.block_size // config.hash_block_size or 1
         self.req_to_blocks: dict[str, list[int]] = {}
         self.num_cached_block: dict[str, int] = {}
+        # Every group's prefix-cache index, bound once: the pool keeps each
+        # group's dict for its lifetime.
+        self._hash_to_block = [pool.hash_to_block(g) for g in range(len(config.groups))]
         # Tokens of extra slots this type allocates beyond the need (Mamba's
         # speculative blocks).
         self.extra_tokens = 0
@@ -100,7 +103,7 @@ class SingleTypeManager:
         # Hits below the window are not taken; hits sitting in the free queue
         # leave it when touched, so they count against the free blocks.
         skip = num_skipped_blocks - num_req_blocks
-        ref = self.pool._ref
+        ref = self.pool.ref_cnt
         num_evictable = 0
         for b in new_computed_blocks[skip if skip > 0 else 0:]:
             if b and ref[b] == 0:
@@ -244,7 +247,7 @@ class FullAttentionManager(SingleTypeManager):
         n = min(max_length // bs, len(hashes))
         pool = self.pool
         if len(group_ids) == 1:
-            lookup = pool._maps[group_ids[0]].get
+            lookup = self._hash_to_block[group_ids[0]].get
             hit = []
             for i in range(n):
                 b = lookup(hashes[i])
@@ -272,7 +275,7 @@ class FullAttentionManager(SingleTypeManager):
     def get_num_common_prefix_blocks(self, request_id: str) -> int:
         blocks = self._entry(request_id)
         num_reqs = len(self.req_to_blocks)
-        ref = self.pool._ref
+        ref = self.pool.ref_cnt
         n = 0
         for b in blocks:
             if ref[b] != num_reqs:

@@ -1,4 +1,5 @@
-"""The pool's shared-memory segment: layout, create / attach / close / unlink.
+"""The pool's shared-memory segment: layout, create / attach / close / unlink,
+the consistent read over the mutation counter, and `ls` / `rm` helpers.
 
 All pool state lives here in flat arrays (no Python object per block), so a
 pool of millions of blocks starts in milliseconds and a restarted
@@ -6,7 +7,7 @@ coordinator, `kvshm check` or a stats reader can attach and read it.
 
 Layout (every array 64-byte aligned, native byte order):
 
-    header            fixed fields (see _HEADER) + the config as JSON
+    header            fixed fields (HEADER_FIELDS) + the config as JSON
     ref_cnt           int32[num_blocks]
     next_delta        int32[num_blocks + 1]  free-queue links, stored relative
     prev_delta        int32[num_blocks + 1]  to the block's own id; slot
@@ -36,7 +37,8 @@ not a million Python stores.
 
 Writers bracket every mutation with `begin_mutation()` / `BlockPool.publish()`:
 `mutation_seq` is odd while a mutation is in progress, so a reader that sees
-the same even value before and after its read got a consistent snapshot.
+the same even value before and after its read got a consistent snapshot
+(`PoolSegment.read_consistent`).
 A frame (one op, or a coordinator frame of many) is also journaled: the
 undo log holds what it overwrote in the authoritative arrays until it
 commits, so a restarted coordinator can roll a cut-off frame back
@@ -46,20 +48,19 @@ commits, so a restarted coordinator can roll a cut-off frame back
 from __future__ import annotations
 
 import hashlib
-import mmap
 import os
-import re
-import secrets
-import shutil
 import struct
 import sys
 import time
+from collections.abc import Callable
+from typing import TypeVar
 
-import _posixshmem
-
-from kvshm.core.errors import SegmentError, ShmSpaceError
+from kvshm.core.errors import SegmentError
 from kvshm.core.hashing import HASH_SLOT_BYTES
+from kvshm.core.shm import SHM_DIR, OwnedMapping, Shm, create_shm, open_shm, unlink_shm
 from kvshm.core.specs import PoolConfig
+
+T = TypeVar("T")
 
 MAGIC = b"KVSHMPL\0"
 # The KV data arena (kvshm/arena.py) shares the pool header's first fields
@@ -69,22 +70,14 @@ ARENA_MAGIC = b"KVSHMKV\0"
 LAYOUT_VERSION = 2   # 2: undo log, session records and replies (recovery)
 RID_BYTES = 64
 SLOT_META_FIELDS = 4  # rid_len, owner session, in_use, reserved
-SHM_DIR = "/dev/shm"
-
-_NAME_RE = re.compile(r"[A-Za-z0-9._-]{1,200}")
-
-
-def valid_name(name: str) -> bool:
-    """Whether `name` may name a segment: 1-200 letters, digits, '.', '_'
-    or '-', and not '.' or '..'."""
-    return bool(_NAME_RE.fullmatch(name)) and name not in (".", "..")
 
 FLAG_NULL = 1
 FLAG_CACHED = 2
 FLAG_SINK = 4
 
-# name -> (offset, struct format)
-_HEADER = {
+# The pool header's fixed fields: name -> (offset, struct format).  The KV
+# arena writes the leading ones (up to coordinator_pid) at the same offsets.
+HEADER_FIELDS = {
     "magic": (0, "8s"),
     "layout_version": (8, "I"),
     "header_size": (12, "I"),
@@ -116,13 +109,13 @@ _HEADER_FIXED = 256
 COUNTER_FIELDS = ("num_free_blocks", "queries", "hits", "query_tokens", "hit_tokens",
                   "num_requests")
 _COUNTERS = struct.Struct(f"{len(COUNTER_FIELDS)}Q")
-_COUNTERS_OFFSET = _HEADER["num_free_blocks"][0]
+_COUNTERS_OFFSET = HEADER_FIELDS["num_free_blocks"][0]
 FREE_WORD = _COUNTERS_OFFSET // 8
 STATS_WORD = FREE_WORD + 1
 NUM_REQUESTS_WORD = FREE_WORD + 5
-SEQ_WORD = _HEADER["mutation_seq"][0] // 8
-UNDO_LEN_WORD = _HEADER["undo_len"][0] // 8
-FRAME_CACHE_STAMP_WORD = _HEADER["frame_cache_stamp"][0] // 8
+SEQ_WORD = HEADER_FIELDS["mutation_seq"][0] // 8
+UNDO_LEN_WORD = HEADER_FIELDS["undo_len"][0] // 8
+FRAME_CACHE_STAMP_WORD = HEADER_FIELDS["frame_cache_stamp"][0] // 8
 
 # Session records of the coordinator (kvshm/service/sessions.py gives the
 # words their meaning); each has room for its last two frame replies.
@@ -196,33 +189,6 @@ _FORMATS = {"ref_cnt": "i", "next_delta": "i", "prev_delta": "i", "free_stamp": 
             "sessions": "q", "replies": "B"}
 
 
-class OwnedMapping:
-    """Lifecycle shared by the pool segment and the KV arena: only the
-    process that created a segment unlinks it, and leaving a `with` block
-    closes the mapping (and, in the creator, unlinks the segment).
-    Subclasses set `owner` and `_shm` and define `close()`."""
-
-    owner: bool
-    _shm: "_Shm"
-
-    def close(self) -> None:
-        raise NotImplementedError
-
-    def unlink(self) -> None:
-        """Remove the segment name; only the creator may."""
-        if not self.owner:
-            raise SegmentError("only the process that created a segment unlinks it")
-        self._shm.unlink()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-        if self.owner:
-            self.unlink()
-
-
 class PoolSegment(OwnedMapping):
     """An open pool segment and typed memoryviews over its arrays.
 
@@ -230,7 +196,7 @@ class PoolSegment(OwnedMapping):
     `PoolSegment.attach(name)` everywhere else.  Only the creator unlinks.
     """
 
-    def __init__(self, shm: "_Shm", layout: Layout, owner: bool) -> None:
+    def __init__(self, shm: Shm, layout: Layout, owner: bool) -> None:
         self._shm = shm
         self.layout = layout
         self.config = layout.config
@@ -256,12 +222,12 @@ class PoolSegment(OwnedMapping):
 
     # -- header --------------------------------------------------------------
     def get(self, field: str):
-        off, fmt = _HEADER[field]
+        off, fmt = HEADER_FIELDS[field]
         value = struct.unpack_from(fmt, self.header, off)[0]
         return value
 
     def set(self, field: str, value) -> None:
-        off, fmt = _HEADER[field]
+        off, fmt = HEADER_FIELDS[field]
         struct.pack_into(fmt, self.header, off, value)
 
     # -- lifecycle -------------------------------------------------------------
@@ -352,25 +318,39 @@ class PoolSegment(OwnedMapping):
         words = self.words
         words[SEQ_WORD] |= 1
 
-    def read_counters(self, timeout: float = 1.0) -> dict[str, int]:
-        """A consistent snapshot of the counters (retries torn reads).
+    def read_consistent(self, read: Callable[[], T], timeout: float = 1.0, *,
+                        pause: float = 0.0005, torn_ok: bool = False) -> tuple[T, bool]:
+        """Call `read()` (which copies what it needs out of the segment) until
+        no mutation overlapped it: the mutation counter was even and the same
+        before and after the call.  Between attempts it sleeps `pause` s.
 
-        Raises SegmentError if no mutation-free moment comes within `timeout`
-        seconds (a writer that died mid-mutation leaves the counter odd).
+        Returns `(result, consistent)`.  After `timeout` seconds without a
+        mutation-free moment (a writer that died mid-mutation leaves the
+        counter odd) it returns the last, possibly torn result and False if
+        `torn_ok`, and raises SegmentError otherwise.
         """
-        off = _HEADER["mutation_seq"][0]
+        words = self.words
         deadline = time.monotonic() + timeout
         while True:
-            before = struct.unpack_from("Q", self.header, off)[0]
-            values = _COUNTERS.unpack_from(self.header, _COUNTERS_OFFSET)
-            after = struct.unpack_from("Q", self.header, off)[0]
+            before = words[SEQ_WORD]
+            result = read()
+            after = words[SEQ_WORD]
             if before == after and not before & 1:
-                return dict(zip(COUNTER_FIELDS, values))
+                return result, True
             if time.monotonic() > deadline:
+                if torn_ok:
+                    return result, False
                 raise SegmentError(
                     f"segment {self.name!r}: a mutation has been in progress for "
                     f"{timeout}s (its writer may have died mid-operation)")
-            time.sleep(0.0005)
+            time.sleep(pause)
+
+    def read_counters(self, timeout: float = 1.0) -> dict[str, int]:
+        """A consistent snapshot of the header counters (COUNTER_FIELDS).
+        Raises SegmentError as `read_consistent` does."""
+        values, _ = self.read_consistent(
+            lambda: _COUNTERS.unpack_from(self.header, _COUNTERS_OFFSET), timeout)
+        return dict(zip(COUNTER_FIELDS, values))
 
     # -- request slots ---------------------------------------------------------
     def slot_request_id(self, slot: int) -> str:
@@ -379,23 +359,23 @@ class PoolSegment(OwnedMapping):
         return bytes(self.slot_rid[base:base + n]).decode()
 
 
-def _read_layout(shm: "_Shm") -> Layout:
+def _read_layout(shm: Shm) -> Layout:
     buf = shm.buf
     if len(buf) < _HEADER_FIXED or bytes(buf[:8]) != MAGIC:
         raise SegmentError(f"segment {shm.name!r} is not a kvshm pool (bad magic)")
-    version = struct.unpack_from("I", buf, _HEADER["layout_version"][0])[0]
+    version = struct.unpack_from("I", buf, HEADER_FIELDS["layout_version"][0])[0]
     if version != LAYOUT_VERSION:
         raise SegmentError(
             f"segment {shm.name!r} has layout version {version}; this kvshm "
             f"reads version {LAYOUT_VERSION}"
         )
-    clen = struct.unpack_from("I", buf, _HEADER["config_len"][0])[0]
+    clen = struct.unpack_from("I", buf, HEADER_FIELDS["config_len"][0])[0]
     raw = bytes(buf[_HEADER_FIXED:_HEADER_FIXED + clen])
     try:
         config = PoolConfig.from_json(raw)
     except Exception as e:
         raise SegmentError(f"segment {shm.name!r} has an unreadable config: {e}") from None
-    fp = bytes(buf[_HEADER["config_fingerprint"][0]:][:32])
+    fp = bytes(buf[HEADER_FIELDS["config_fingerprint"][0]:][:32])
     if fp != config_fingerprint(config):
         raise SegmentError(f"segment {shm.name!r}: config fingerprint mismatch")
     layout = Layout(config)
@@ -404,51 +384,6 @@ def _read_layout(shm: "_Shm") -> Layout:
             f"segment {shm.name!r} is {len(buf)} bytes, its config needs {layout.size}"
         )
     return layout
-
-
-class _Shm:
-    """A POSIX shared-memory object mapped read-write.
-
-    Deliberately not multiprocessing.shared_memory.SharedMemory: on Python
-    3.11 that registers every attach with the resource tracker, which unlinks
-    the segment when an attaching process exits, and the tracker process
-    itself costs tens of milliseconds to start.  kvshm owns the lifecycle:
-    the creator unlinks, nobody else does.
-    """
-
-    def __init__(self, name: str, fd: int) -> None:
-        """Map `fd` (which this call always closes)."""
-        self.name = name
-        try:
-            self._mmap = mmap.mmap(fd, os.fstat(fd).st_size)
-        finally:
-            os.close(fd)
-        self.buf = memoryview(self._mmap)
-
-    @classmethod
-    def create(cls, name: str | None, size: int) -> "_Shm":
-        name = name or f"kvshm-{secrets.token_hex(6)}"
-        fd = _posixshmem.shm_open("/" + name, os.O_CREAT | os.O_EXCL | os.O_RDWR, mode=0o600)
-        try:
-            os.ftruncate(fd, size)
-            return cls(name, fd)  # closes fd
-        except BaseException:
-            _posixshmem.shm_unlink("/" + name)
-            raise
-
-    @classmethod
-    def open(cls, name: str) -> "_Shm":
-        return cls(name, _posixshmem.shm_open("/" + name, os.O_RDWR, mode=0o600))
-
-    def close(self) -> None:
-        self.buf.release()
-        self._mmap.close()
-
-    def unlink(self) -> None:
-        try:
-            _posixshmem.shm_unlink("/" + self.name)
-        except FileNotFoundError:
-            pass
 
 
 class _Copy:
@@ -465,76 +400,23 @@ class _Copy:
         raise SegmentError("a private copy has no name to unlink")
 
 
-def lock_segment(name: str) -> int:
-    """Take the exclusive lock that marks segment `name`'s one writer; the
-    kernel drops it when this process dies.  Returns the lock's fd (close
-    it to release).  Raises SegmentError if another process holds it."""
-    import fcntl
-    try:
-        fd = _posixshmem.shm_open("/" + name, os.O_RDWR, mode=0o600)
-    except FileNotFoundError:
-        raise SegmentError(f"no segment named {name!r}") from None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        raise SegmentError(f"segment {name!r} is locked by another coordinator (it is "
-                           "serving or taking over this pool)") from None
-    return fd
-
-
-def create_shm(name: str | None, size: int, *, what: str = "segment",
-               check_space: bool = True) -> _Shm:
-    """A new segment of `size` bytes named `name` (None: a fresh random name)
-    for the pool or the arena.  Raises SegmentError for a bad or taken name
-    and ShmSpaceError (unless `check_space` is off) when /dev/shm is short."""
-    if name is not None and not valid_name(name):
-        raise SegmentError(f"{what} name {name!r}: use 1-200 letters, digits, '.', '_' or '-'")
-    if check_space:
-        check_shm_space(size)
-    try:
-        return _Shm.create(name, size)
-    except FileExistsError:
-        raise SegmentError(
-            f"shared-memory segment {name!r} already exists; a live coordinator "
-            f"may own it, or remove a stale one with `kvshm rm {name}`") from None
-
-
-def open_shm(name: str, what: str = "shared-memory segment") -> _Shm:
-    """An existing segment; SegmentError if there is none called `name`."""
-    try:
-        return _Shm.open(name)
-    except FileNotFoundError:
-        raise SegmentError(f"no {what} named {name!r}") from None
-
-
-def check_shm_space(needed: int, path: str = SHM_DIR) -> None:
-    """Raise ShmSpaceError if `path` has fewer than `needed` free bytes."""
-    try:
-        free = shutil.disk_usage(path).free
-    except OSError:
-        return  # no /dev/shm to inspect (not Linux): let the OS decide
-    if free < needed:
-        raise ShmSpaceError(needed, free, path)
-
-
 def segment_info(name: str) -> dict | None:
     """Summary of segment `name` if it is a kvshm pool or KV arena, else None."""
     try:
-        shm = _Shm.open(name)
+        shm = Shm.open(name)
     except (OSError, ValueError):  # not ours to open, or empty (being created)
         return None
     try:
         buf = shm.buf
         if len(buf) < _HEADER_FIXED or bytes(buf[:8]) not in (MAGIC, ARENA_MAGIC):
             return None
-        pid = struct.unpack_from("Q", buf, _HEADER["coordinator_pid"][0])[0]
+        pid = struct.unpack_from("Q", buf, HEADER_FIELDS["coordinator_pid"][0])[0]
         return {
             "name": name,
             "kind": "pool" if bytes(buf[:8]) == MAGIC else "arena",
             "bytes": len(buf),
-            "num_blocks": struct.unpack_from("Q", buf, _HEADER["num_blocks"][0])[0],
-            "layout_version": struct.unpack_from("I", buf, _HEADER["layout_version"][0])[0],
+            "num_blocks": struct.unpack_from("Q", buf, HEADER_FIELDS["num_blocks"][0])[0],
+            "layout_version": struct.unpack_from("I", buf, HEADER_FIELDS["layout_version"][0])[0],
             "pid": pid,
             "alive": _pid_alive(pid),
         }
@@ -567,4 +449,4 @@ def remove_segment(name: str, force: bool = False) -> None:
         raise SegmentError(
             f"{name!r} belongs to live process {info['pid']}; stop it first "
             "(or pass --force)")
-    _posixshmem.shm_unlink("/" + name)
+    unlink_shm(name)

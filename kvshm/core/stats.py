@@ -6,8 +6,8 @@ import time
 from collections import defaultdict
 
 from kvshm.core.segment import (
+    COUNTER_FIELDS,
     FLAG_CACHED,
-    SEQ_WORD,
     SLOT_META_FIELDS,
     PoolSegment,
     segment_info,
@@ -19,15 +19,14 @@ def read_stats(seg: PoolSegment, timeout: float = 1.0) -> dict:
     """Blocks total/free/cached/used, usage, requests and blocks per owning
     session, prefix-cache lookups and hits, coordinator pid, liveness,
     uptime (None when the coordinator is not alive).  Retries until it
-    copies a state no mutation overlapped."""
+    copies a state no mutation overlapped; after `timeout` seconds it
+    reports what it saw, with "consistent": False."""
     cfg = seg.config
     groups = len(cfg.groups)
     widths = seg.layout.widths
-    deadline = time.monotonic() + timeout
-    while True:
-        before = seg.words[SEQ_WORD]
-        counters = {f: seg.get(f) for f in ("num_free_blocks", "queries", "hits",
-                                              "query_tokens", "hit_tokens", "num_requests")}
+
+    def read():
+        counters = {f: seg.get(f) for f in COUNTER_FIELDS}
         cached = bytes(seg.flags).count(FLAG_CACHED)
         sessions: dict[int, dict] = defaultdict(lambda: {"requests": 0, "blocks": 0})
         meta, counts = seg.slot_meta, seg.slot_counts
@@ -42,12 +41,10 @@ def read_stats(seg: PoolSegment, timeout: float = 1.0) -> dict:
                 if n != NO_ENTRY:
                     base = slot * widths[g]
                     row["blocks"] += sum(1 for b in seg.tables[g][base:base + n] if b)
-        after = seg.words[SEQ_WORD]
-        if before == after and not before & 1:
-            break
-        if time.monotonic() > deadline:
-            break  # report what we saw; it may be slightly torn
-        time.sleep(0.0005)
+        return counters, cached, sessions
+
+    (counters, cached, sessions), consistent = seg.read_consistent(read, timeout,
+                                                                   torn_ok=True)
     n = cfg.num_blocks
     free = counters["num_free_blocks"]
     info = segment_info(seg.name) or {"pid": seg.get("coordinator_pid"), "alive": False}
@@ -68,6 +65,6 @@ def read_stats(seg: PoolSegment, timeout: float = 1.0) -> dict:
         # A dead coordinator has no uptime: the clock would tick on regardless.
         "uptime_s": (time.time_ns() - seg.get("started_ns")) / 1e9 if info["alive"] else None,
         "generation": seg.get("generation"),
-        "consistent": before == after and not before & 1,
+        "consistent": consistent,
         "sessions": [{"session": k, **v} for k, v in sorted(sessions.items())],
     }

@@ -18,13 +18,8 @@ from kvshm.core.check import CheckReport, check_segment
 from kvshm.core.errors import SegmentError
 from kvshm.core.manager import KVCacheManager
 from kvshm.core.recovery import RepairReport, repair
-from kvshm.core.segment import (
-    PoolSegment,
-    check_shm_space,
-    lock_segment,
-    remove_segment,
-    segment_info,
-)
+from kvshm.core.segment import PoolSegment, remove_segment, segment_info
+from kvshm.core.shm import check_shm_space, lock_segment
 from kvshm.core.specs import PoolConfig
 
 
