@@ -42,27 +42,29 @@ from kvshm.core.specs import (
     SinkFullSpec,
     SlidingWindowSpec,
 )
-from kvshm.service.client import Client, connect
-from kvshm.service.errors import (
-    BatchTooLarge,
-    ConnectionClosed,
-    ConnectionLost,
-    Forbidden,
-    FrameTooLarge,
-    HandshakeError,
-    HandshakeRequired,
-    HashMismatch,
-    InternalError,
-    NotOwner,
-    PoolInUse,
-    ProtocolError,
-    ReplyLost,
-    RequestTimeout,
-    ResumeFailed,
-    SocketInUse,
-    VersionMismatch,
-)
-from kvshm.service.sync_client import SyncClient, connect_sync
+# The clients and the service's errors load on first use (PEP 562), so that
+# `import kvshm` stays quick for processes that start often (every
+# coordinator and worker begins with it).
+_SERVICE = {
+    **dict.fromkeys(("Client", "connect"), "kvshm.service.client"),
+    **dict.fromkeys(("SyncClient", "connect_sync"), "kvshm.service.sync_client"),
+    **dict.fromkeys((
+        "BatchTooLarge", "ConnectionClosed", "ConnectionLost", "Forbidden", "FrameTooLarge",
+        "HandshakeError", "HandshakeRequired", "HashMismatch", "InternalError", "NotOwner",
+        "PoolInUse", "ProtocolError", "ReplyLost", "RequestTimeout", "ResumeFailed",
+        "SocketInUse", "VersionMismatch"), "kvshm.service.errors"),
+}
+
+
+def __getattr__(name: str):
+    module = _SERVICE.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kvshm' has no attribute {name!r}")
+    import importlib
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
 
 __version__ = "0.1.0"
 

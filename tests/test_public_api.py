@@ -41,3 +41,13 @@ def test_import_kvshm_needs_no_numpy():
                           "print('numpy' in sys.modules)"],
                          capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
+
+
+def test_import_kvshm_loads_the_clients_only_when_used():
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-c", "import sys, kvshm; "
+                          "print('kvshm.service.client' in sys.modules); "
+                          "print(kvshm.connect.__module__, kvshm.NotOwner.code)"],
+                         capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["False", "kvshm.service.client", "NOT_OWNER"]

@@ -278,12 +278,12 @@ async def test_restoring_a_request_with_other_tokens_is_refused(pool_name):
         await until(lambda: _check(pool_name).num_requests == 0, timeout=5)
 
 
-@pytest.mark.parametrize("delay", [0.2, 0.4, 0.7])
+@pytest.mark.parametrize("delay", [0.0, 0.05, 0.2, 0.4, 0.7])
 def test_sigterm_while_adopting_still_stops_cleanly(pool_name, delay):
-    """A coordinator told to stop while it starts (here: while it adopts a
-    dead coordinator's pool) finishes starting, then stops cleanly: exit 0,
-    its segments removed.  (kvshm run stops a coordinator it may have just
-    restarted.)"""
+    """A coordinator told to stop while it starts (from Python's start-up,
+    delay 0, to adopting a dead coordinator's pool) finishes starting, then
+    stops cleanly: exit 0, its segments removed.  (kvshm run stops a
+    coordinator it may have just restarted.)"""
     import signal
     import time
     with CoordinatorProcess(CFG, name=pool_name) as proc:

@@ -28,18 +28,35 @@ def die_with_parent() -> None:
 
 
 _early_stop: list[int] = []
+_STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
 
 
 def defer_stop_signals() -> None:
     """Until `serve()` installs its own handlers, remember SIGINT/SIGTERM
-    instead of dying of them (call first thing in a coordinator process)."""
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    instead of dying of them (call first thing in a coordinator process).
+    A coordinator started by CoordinatorProcess has them blocked from its
+    first instruction (see `_coordinator_child`), so one sent while Python
+    starts is not lost either: it is delivered here, once handled."""
+    for sig in _STOP_SIGNALS:
         signal.signal(sig, lambda signum, frame: _early_stop.append(signum))
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
 
 
 def early_stop_requested() -> bool:
     """Whether a stop signal arrived before `serve()` could handle it."""
     return bool(_early_stop)
+
+
+def _coordinator_child(with_parent: bool):
+    """The `preexec_fn` of a coordinator child: stop signals blocked until
+    `defer_stop_signals()` handles them (a SIGTERM during interpreter start-up
+    would otherwise kill it before it can stop cleanly), and with
+    `with_parent`, SIGTERM when the parent dies."""
+    def setup() -> None:
+        signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+        if with_parent:
+            die_with_parent()
+    return setup
 
 
 class CoordinatorProcess:
@@ -67,7 +84,7 @@ class CoordinatorProcess:
                       *extra_args]
         self._popen = dict(stdout=subprocess.PIPE, stderr=self._stderr, text=True,
                            start_new_session=new_session,
-                           preexec_fn=die_with_parent if with_parent else None)
+                           preexec_fn=_coordinator_child(with_parent))
         self.restarts = 0
         self.proc = subprocess.Popen(self._argv, env=env, **self._popen)
 
