@@ -37,10 +37,10 @@ import struct
 
 import numpy as np
 
-from kvshm.core.errors import SegmentError
+from kvshm.core.errors import ConfigError, SegmentError
 from kvshm.core.segment import ARENA_MAGIC, HEADER_FIELDS, config_fingerprint
 from kvshm.core.shm import OwnedMapping, Shm, create_shm, open_shm
-from kvshm.core.specs import PoolConfig
+from kvshm.core.specs import KV_DTYPES, PoolConfig
 
 ARENA_LAYOUT_VERSION = 1
 HEADER_BYTES = 4096
@@ -65,18 +65,21 @@ def arena_name(pool_name: str) -> str:
 
 
 def resolve_dtype(name: str) -> np.dtype:
-    """numpy dtype of a `KVShape.dtype` name.  bfloat16 comes from the
-    ml_dtypes package; raises SegmentError when it is missing."""
+    """The numpy dtype of a KV dtype name (`KVShape.dtype`: one of
+    core.specs.KV_DTYPES), for the arena and the workers alike.  bfloat16
+    comes from the ml_dtypes package.  Raises ConfigError (a ValueError) for
+    an unknown name, or bfloat16 without ml_dtypes."""
     if name == "bfloat16":
         try:
             import ml_dtypes
         except ImportError:
-            raise SegmentError("a bfloat16 KV arena needs the ml_dtypes package "
-                               "(pip install ml_dtypes)") from None
+            raise ConfigError("kv.dtype", "a bfloat16 KV arena needs the ml_dtypes package "
+                              "(pip install ml_dtypes)") from None
         return np.dtype(ml_dtypes.bfloat16)
-    if name in ("float32", "float16"):
+    if name in KV_DTYPES:
         return np.dtype(name)
-    raise SegmentError(f"unsupported KV dtype {name!r} (float32, float16, bfloat16)")
+    raise ConfigError("kv.dtype", f"unknown KV dtype {name!r}: expected "
+                      f"{', '.join(KV_DTYPES)}")
 
 
 class ArenaLayout:

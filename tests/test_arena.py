@@ -77,7 +77,7 @@ def test_resolve_dtype():
     assert resolve_dtype("float16") == np.float16 and resolve_dtype("float32") == np.float32
     pytest.importorskip("ml_dtypes")
     assert resolve_dtype("bfloat16").name == "bfloat16"
-    with pytest.raises(SegmentError, match="unsupported KV dtype 'int4'"):
+    with pytest.raises(ConfigError, match="unknown KV dtype 'int4'"):
         resolve_dtype("int4")
 
 

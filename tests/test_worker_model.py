@@ -26,7 +26,8 @@ from kvshm.workers.attention import (  # noqa: E402
     read_kv,
     write_kv,
 )
-from kvshm.workers.model import Context, TinyModel, resolve_dtype  # noqa: E402
+from kvshm.arena import resolve_dtype  # noqa: E402
+from kvshm.workers.model import Context, TinyModel  # noqa: E402
 
 try:
     import ml_dtypes
@@ -97,8 +98,9 @@ def test_resolve_dtype_unknown(name):
 
 
 def test_resolve_dtype_bfloat16_without_ml_dtypes(monkeypatch):
-    monkeypatch.setattr(wm, "_ml_dtypes", None)
-    with pytest.raises(ValueError, match=r"bfloat16 needs the ml_dtypes package \(pip install ml_dtypes\)"):
+    monkeypatch.setitem(sys.modules, "ml_dtypes", None)   # import ml_dtypes fails
+    with pytest.raises(ValueError, match=r"bfloat16 KV arena needs the ml_dtypes package "
+                                         r"\(pip install ml_dtypes\)"):
         resolve_dtype("bfloat16")
 
 

@@ -11,10 +11,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-try:
-    import ml_dtypes as _ml_dtypes
-except ImportError:  # pragma: no cover - depends on the environment
-    _ml_dtypes = None
+from kvshm.arena import resolve_dtype
+from kvshm.core.specs import KV_DTYPES
 
 # Why the K/V of a token are the same bits whatever chunking, process or BLAS
 # threading computed them:
@@ -37,7 +35,6 @@ __all__ = [
     "TinyModel",
     "nonneg_int",
     "positive_int",
-    "resolve_dtype",
 ]
 
 # Modular hash of the prefix: a Mersenne prime keeps products of two residues
@@ -50,31 +47,6 @@ _WEIGHT_MAX = 4  # weights and embeddings are integers in [-4, 4]
 _ROPE_BASE = 10000.0
 
 
-def resolve_dtype(name: str) -> np.dtype:
-    """Map a dtype name to the numpy dtype used for the KV arena.
-
-    Args:
-        name: ``"float32"``, ``"float16"`` or ``"bfloat16"``.
-
-    Returns:
-        The numpy dtype (``ml_dtypes.bfloat16`` for ``"bfloat16"``).
-
-    Raises:
-        ValueError: unknown name, or ``"bfloat16"`` without ml_dtypes installed.
-    """
-    if name == "float32":
-        return np.dtype(np.float32)
-    if name == "float16":
-        return np.dtype(np.float16)
-    if name == "bfloat16":
-        if _ml_dtypes is None:
-            raise ValueError("bfloat16 needs the ml_dtypes package (pip install ml_dtypes)")
-        return np.dtype(_ml_dtypes.bfloat16)
-    raise ValueError(
-        f"unknown KV dtype {name!r}: expected 'float32', 'float16' or 'bfloat16'"
-    )
-
-
 def _supported_dtype(dtype) -> np.dtype:
     """A dtype name or dtype-like -> one of the supported arena dtypes."""
     if isinstance(dtype, str):
@@ -83,12 +55,9 @@ def _supported_dtype(dtype) -> np.dtype:
         dt = np.dtype(dtype)
     except TypeError as e:
         raise ValueError(f"dtype: not a dtype: {dtype!r}") from e
-    supported = [np.dtype(np.float32), np.dtype(np.float16)]
-    if _ml_dtypes is not None:
-        supported.append(np.dtype(_ml_dtypes.bfloat16))
-    if dt not in supported:
+    if dt.name not in KV_DTYPES:   # (ml_dtypes' bfloat16 is named "bfloat16")
         raise ValueError(
-            f"dtype: unsupported KV dtype {dt}: expected float32, float16 or bfloat16"
+            f"dtype: unsupported KV dtype {dt}: expected {', '.join(KV_DTYPES)}"
         )
     return dt
 
