@@ -13,9 +13,10 @@ import pytest
 from kvshm.core.segment import SHM_DIR
 from kvshm.service.server import Coordinator
 
-# The simulator's checks are plain asserts: keep pytest's detailed messages
-# for them, as when they lived in test_invariants.py.
-pytest.register_assert_rewrite("invariant_sim")
+# The simulator's checks and raw_wire's are plain asserts: keep pytest's
+# detailed messages for them, as when they lived in test_invariants.py and
+# test_service_faults.py.
+pytest.register_assert_rewrite("invariant_sim", "raw_wire")
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -22,6 +22,13 @@ def tokens(start: int, stop: int) -> list[int]:
     return list(range(start, stop))
 
 
+def step(r: Request, num_computed_tokens: int, append=()) -> None:
+    """What the scheduler does between two steps."""
+    r.num_computed_tokens = num_computed_tokens
+    if append:
+        r.append_token_ids(list(append))
+
+
 def ids(blocks) -> list[list[int]] | None:
     """Block ids per group as plain lists (None stays None)."""
     return None if blocks is None else [list(g) for g in blocks]

@@ -3,8 +3,9 @@ against an embedded KVCacheManager doing the same calls), sessions and
 ownership, tenants, auth and socket permissions, `kvshm stats`, and
 conformance replay through a coordinator process (`kvshm replay --ipc`).
 
-Fault handling (bad input, crashes, signals, cancellation, backpressure)
-is in test_service_faults.py.
+Fault handling is in test_service_faults.py (bad input, error codes),
+test_client_faults.py (killed clients, cancellation, backpressure) and
+test_coordinator_faults.py (signals, `kvshm serve` refusing to start).
 """
 
 from __future__ import annotations
