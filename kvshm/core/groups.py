@@ -30,8 +30,9 @@ class GroupLogic:
             make_manager(spec, i, pool, table, config) for i, spec in enumerate(config.groups)
         )
         self.num_groups = len(self.managers)
-        self._cross = tuple(isinstance(m, CrossAttentionManager) for m in self.managers)
-        if self.num_groups == 1 and not self._cross[0]:
+        # Per group: whether it is cross-attention (sized by the encoder).
+        self.cross = tuple(isinstance(m, CrossAttentionManager) for m in self.managers)
+        if self.num_groups == 1 and not self.cross[0]:
             self._bind_single(self.managers[0])
 
     def _bind_single(self, m: SingleTypeManager) -> None:
@@ -56,7 +57,7 @@ class GroupLogic:
         n = 0
         g = 0
         for m in self.managers:
-            if self._cross[g]:
+            if self.cross[g]:
                 n += m.get_num_blocks_to_allocate(request_id, num_encoder_tokens, (), 0)
             else:
                 n += m.get_num_blocks_to_allocate(request_id, num_tokens,
@@ -88,7 +89,7 @@ class GroupLogic:
     def allocate_new_blocks(self, request_id: str, num_tokens: int,
                             num_encoder_tokens: int) -> BlockIds:
         out = []
-        for m, cross in zip(self.managers, self._cross):
+        for m, cross in zip(self.managers, self.cross):
             out.append(m.allocate_new_blocks(request_id,
                                              num_encoder_tokens if cross else num_tokens))
         return tuple(out)

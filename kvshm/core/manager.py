@@ -283,7 +283,7 @@ class KVCacheManager:
     def _check_fits(self, rid: str, hits: BlockIds, num_need_slot: int,
                     total_computed: int, num_encoder_tokens: int, adopts: bool) -> None:
         for g, m in enumerate(self.groups.managers):
-            if self.groups._cross[g]:
+            if self.groups.cross[g]:
                 needed = -(-num_encoder_tokens // m.block_size)
             else:
                 if adopts and rid not in m.num_cached_block and m.req_to_blocks.get(rid):
