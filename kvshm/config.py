@@ -32,13 +32,11 @@ from kvshm.core.specs import (
     SlidingWindowSpec,
 )
 
-# The KV budget of a pool sized by neither blocks nor memory.  A pool that
-# serves engines gets 1 GiB; `kvshm run`'s demo gets 96 MiB, small enough that
-# its 30-second workload fills it, so that evictions happen and a shared pool's
-# hit rate differs from isolated ones: such a run writes the K/V of about 70k
-# tokens, and with the tiny preset 96 MiB holds 49k, 1 GiB 524k (never full).
-DEFAULT_KV_MEMORY = "1G"
-RUN_KV_MEMORY = "96M"
+# The KV budget of a preset or vLLM model sized by neither blocks nor memory,
+# for `kvshm serve` and `kvshm run` alike.  A pool sized from a budget must
+# hold one request of the model's full length (as vLLM requires of its KV
+# cache); `resolve_config` refuses it otherwise, naming the memory needed.
+DEFAULT_KV_MEMORY = "2G"   # every preset holds a full-length request in it
 
 
 @dataclass(frozen=True)
@@ -170,7 +168,8 @@ def resolve_config(source: PoolSource, *, default_preset: str | None = None,
                    default_kv_memory: str | int = DEFAULT_KV_MEMORY,
                    need_kv: bool = False) -> PoolConfig:
     """The pool `source` describes.  A preset or a vLLM model given no size
-    gets `default_kv_memory`; a config file keeps its `num_blocks`.
+    gets `default_kv_memory`, and one sized by a budget must hold a request
+    of its full length; a config file keeps its `num_blocks`.
     `need_kv`: the pool must have a KV arena (a `kv` shape).  Raises
     ConfigError naming what to change."""
     shapes = [f for f in ("preset", "config_file", "vllm_model") if getattr(source, f)]
@@ -211,12 +210,27 @@ def resolve_config(source: PoolSource, *, default_preset: str | None = None,
         config = preset_config(name, num_blocks=source.num_blocks,
                                kv_memory=budget if budget is not None
                                else _bytes(default_kv_memory))
+    if source.num_blocks is None and not source.config_file:
+        _check_holds_a_request(config, budget if budget is not None
+                               else _bytes(default_kv_memory))
     if need_kv and config.kv is None:
         raise ConfigError("kv", f"{source.config_file} has no [kv] shape: workers need a "
                           "KV arena")
     hashing = {f: getattr(source, f) for f in ("hash_algorithm", "hash_seed")
                if getattr(source, f) is not None}
     return config.replace(**hashing) if hashing else config
+
+
+def _check_holds_a_request(config: PoolConfig, budget: int) -> None:
+    """A pool sized from `budget` must serve one request of max_model_len."""
+    need = config.blocks_for_request() + 1          # + the null block
+    if config.num_blocks >= need:
+        return
+    want = -(-need * config.kv_block_bytes // 2**20)   # MiB, rounded up
+    raise ConfigError(
+        "kv_memory", f"{budget:,} bytes of KV hold {config.num_blocks:,} blocks; one "
+        f"{config.max_model_len:,}-token request needs {need:,} (with the null block): "
+        f"give --kv-memory {want}M or more")
 
 
 def pool_bytes(config: PoolConfig) -> int:

@@ -34,7 +34,7 @@ def test_kv_memory_becomes_blocks():
     # llama-8b: 2 (K,V) x 32 layers x 8 heads x 128 x 2 bytes x 16 tokens = 2 MiB a block
     assert PRESETS["llama-8b"].block_bytes == 2 * 2**20
     assert preset_config("llama-8b", kv_memory=4 * 2**30).num_blocks == 2048
-    assert preset_config("llama-8b").num_blocks == 512  # 1 GiB by default
+    assert preset_config("llama-8b").num_blocks == 1024  # 2 GiB by default
 
 
 def test_unknown_preset_and_a_budget_below_two_blocks():
@@ -85,7 +85,7 @@ def test_serve_argument_errors(tmp_path):
 def test_serve_a_preset_and_stop_it_with_sigint(sockdir):
     sock = sockdir / "p.sock"
     proc = subprocess.Popen([sys.executable, "-m", "kvshm", "serve", "--preset", "gemma-hybrid",
-                             "--kv-memory", "64M", "--name", "kvshm-test-preset",
+                             "--num-blocks", "24", "--name", "kvshm-test-preset",
                              "--socket", str(sock)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -120,12 +120,28 @@ def _file(tmp_path, kv: bool):
 
 def test_a_preset_is_sized_by_blocks_memory_or_the_callers_default():
     assert resolve_config(PoolSource(preset="llama-8b", num_blocks=10)).num_blocks == 10
-    assert resolve_config(PoolSource(preset="llama-8b", kv_memory="8M")).num_blocks == 4
-    assert resolve_config(PoolSource(preset="llama-8b", kv_memory=8 << 20)).num_blocks == 4
-    assert resolve_config(PoolSource(preset="llama-8b")).num_blocks == 512   # DEFAULT_KV_MEMORY
+    assert resolve_config(PoolSource(preset="tiny", kv_memory="16M")).num_blocks == 512
+    assert resolve_config(PoolSource(preset="tiny", kv_memory=16 << 20)).num_blocks == 512
+    assert resolve_config(PoolSource(preset="llama-8b")).num_blocks == 1024  # DEFAULT_KV_MEMORY
     assert resolve_config(PoolSource(), default_preset="llama-8b",
-                          default_kv_memory="64M").num_blocks == 32
+                          default_kv_memory="1100M").num_blocks == 550
     assert resolve_config(PoolSource(), default_preset="tiny") == preset_config("tiny")
+
+
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_every_preset_holds_a_full_length_request_by_default(name):
+    c = resolve_config(PoolSource(preset=name))
+    assert c.num_blocks >= c.blocks_for_request() + 1
+
+
+def test_a_budget_too_small_for_one_request_is_refused_with_what_it_needs():
+    with pytest.raises(ConfigError, match=r"one 8,192-token request needs 513 \(with the "
+                       r"null block\): give --kv-memory 1026M or more") as e:
+        resolve_config(PoolSource(preset="llama-8b", kv_memory="1G"))
+    assert e.value.field == "kv_memory"
+    # The memory it names is enough; an explicit block count is the user's call.
+    assert resolve_config(PoolSource(preset="llama-8b", kv_memory="1026M")).num_blocks == 513
+    assert resolve_config(PoolSource(preset="llama-8b", num_blocks=64)).num_blocks == 64
 
 
 def test_a_config_file_keeps_its_size_unless_told(tmp_path):

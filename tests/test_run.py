@@ -127,7 +127,34 @@ def test_a_killed_worker_gives_every_block_back(tmp_path):
     assert_pool_whole(pool)
     assert pool["num_sessions"] == 1      # only the client that took this report
     assert "every block is back in the pool" in proc.stdout
+    assert proc.stdout.rstrip().endswith(
+        "result: OK (0 integrity mismatches, 1 of 2 worker runs finished, worker 1 killed "
+        "as asked, pools whole)")
     assert_ran_cleanly(proc, before, [res])
+
+
+def test_a_run_that_rejects_most_of_its_workload_is_failed():
+    """Most requests need more blocks than the pool has: they are rejected,
+    and the run says so (exit 1), rather than OK."""
+    proc = run("--num-blocks", "40", "--duration", "2", "--grace", "2", "--workers", "1",
+               "--quiet")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    last = proc.stdout.rstrip().splitlines()[-1]
+    assert re.fullmatch(r"result: FAILED: shared: [\d,]+ of [\d,]+ requests rejected "
+                        r"\(longer than the model or the pool: give the pool more memory\)",
+                        last), last
+
+
+def test_a_run_that_finishes_nothing_is_failed():
+    from kvshm.config import preset_config
+    from kvshm.workers.engine import EngineStats
+    from kvshm.workers.launcher import LaunchOptions, RunResult, WorkerResult
+    from kvshm.workers.run import _problems
+    workers = [WorkerResult(index=0, cpus=(0,), status="done",
+                            stats=EngineStats(aborted=3, rejected=1))]
+    res = RunResult(mode="shared", config=preset_config("tiny", num_blocks=64),
+                    workers=workers)
+    assert _problems(res, LaunchOptions()) == ["shared: no request finished"]
 
 
 def test_compare_shared_and_isolated(tmp_path):
@@ -293,8 +320,10 @@ def test_synthetic_workload_on_a_short_context_pool(tmp_path):
     path.write_text(NO_KV_CONFIG.replace("4096", "2048")
                     + '[kv]\nnum_layers = 2\nnum_kv_heads = 2\nhead_size = 16\n')
     before = kvshm_segments()
-    proc = run("--config", str(path), "--duration", "1", "--grace", "1", "--quiet")
-    # The synthetic workload is scaled down to fit the model.
+    proc = run("--config", str(path), "--num-blocks", "512", "--duration", "1", "--grace",
+               "1", "--quiet")
+    # The synthetic workload is scaled down to fit the model (and 512 blocks
+    # hold its requests: a run that rejects most of them is FAILED).
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "== shared pool" in proc.stdout
     assert not leftovers(before)
@@ -332,6 +361,9 @@ def test_ctrl_c_stops_everything(tmp_path):
         [res] = results(out)
         assert res["interrupted"]
         assert {w["status"] for w in res["workers"]} <= {"interrupted", "done"}
+        # What was done before Ctrl-C is reported, per-step samples included.
+        assert res["requests"] + res["aborted"] > 0 and res["step_batch_us_p50"], res
+        assert re.search(r"over [1-9][\d,]* steps", stdout), stdout
         assert {w["pid"] for w in res["workers"]} <= {c.pid for c in children}
         assert not leftovers(before)
     finally:   # only if something above failed: stop what this test started

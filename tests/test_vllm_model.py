@@ -142,7 +142,7 @@ def test_serve_refuses_bad_vllm_flags(args, message, sockdir):
 def test_serve_a_pool_for_a_vllm_model(tmp_path, sockdir):
     d = write_tiny_model(tmp_path / "tiny")
     proc = subprocess.Popen([sys.executable, "-m", "kvshm", "serve", "--vllm-model", str(d),
-                             "--block-size", "32", "--kv-memory", "4M", "--name",
+                             "--block-size", "32", "--kv-memory", "4M", "--max-model-len", "2048", "--name",
                              f"kvshm-t-{sockdir.name[-8:]}", "--socket",
                              str(sockdir / "s.sock")], stdout=subprocess.PIPE, text=True)
     try:

@@ -78,8 +78,8 @@ class Ready(_Report, tag="ready"):
 
 
 class Progress(_Report, tag="progress"):
-    """The figures so far (without the per-step samples, which only `Done`
-    carries)."""
+    """The figures so far: without the per-step samples, except in the last
+    one a worker sends when it is stopped (SIGTERM), which has them all."""
 
     elapsed: float
     stats: EngineStats

@@ -230,12 +230,7 @@ class Engine:
         total = len(item.prompt) + len(item.output)
         if total > self.config.max_model_len:
             return False
-        need = 0
-        for _, bs, window in self.groups:
-            blocks = -(-total // bs)
-            if window is not None:   # only the window's blocks (+1 partial) are held
-                blocks = min(blocks, -(-window // bs) + 1)
-            need += blocks
+        need = self.config.blocks_for_request(total)
         return need <= self.config.num_blocks - 1
 
     async def step(self) -> bool:

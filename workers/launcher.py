@@ -166,6 +166,7 @@ class Launch:
         self.restarts: list[dict] = []       # coordinator restarts by this supervisor
         self._stopping = False
         self._t0 = 0.0
+        self._last_rate = (0.0, 0)   # (elapsed, tokens served) at the last status line
 
     # -- coordinators ------------------------------------------------------------------------------
     def start_coordinators(self) -> None:
@@ -428,11 +429,13 @@ class Launch:
         prompt = t.prompt_tokens
         hit = t.hit_tokens
         tokens = t.computed_tokens + hit
+        # The rate since the last line, not the average since the start.
+        (then, before), self._last_rate = self._last_rate, (elapsed, tokens)
+        rate = (tokens - before) / max(elapsed - then, 1e-9)
         usage = self._pool_usage()
         running = sum(1 for w in self.results if w.status == "running")
         return (f"[{self.mode} {elapsed:5.1f}s] workers {running}/{len(self.results)} | "
-                f"requests {t.finished:,} | {tokens / max(elapsed, 1e-9):,.0f} tok/s "
-                f"served | "
+                f"requests {t.finished:,} | {rate:,.0f} tok/s served | "
                 f"hit {hit / prompt if prompt else 0:.1%} (cross-worker "
                 f"{t.cross_hit_tokens:,} tok) | pool {usage} | "
                 f"preempt {t.preemptions} | mismatches {t.integrity_failures}  ")

@@ -13,7 +13,7 @@ import json
 import sys
 from pathlib import Path
 
-from kvshm.config import RUN_KV_MEMORY, PoolSource, pool_bytes, resolve_config
+from kvshm.config import DEFAULT_KV_MEMORY, PoolSource, pool_bytes, resolve_config
 from kvshm.core.errors import KvshmError
 from kvshm.core.hashing import DEFAULT_HASH_ALGORITHM, DEFAULT_HASH_SEED
 from kvshm.workers.channel import WorkloadSpec
@@ -46,7 +46,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     pool.add_argument("--connect", metavar="SOCKET",
                       help="join a running coordinator instead of starting one")
     size = ap.add_mutually_exclusive_group()
-    size.add_argument("--kv-memory", help=f"KV arena size (default {RUN_KV_MEMORY})")
+    size.add_argument("--kv-memory", help=f"KV arena size (default {DEFAULT_KV_MEMORY}, as kvshm serve)")
     size.add_argument("--num-blocks", type=int, help="pool size in blocks")
     mode = ap.add_mutually_exclusive_group()
     mode.add_argument("--isolated", action="store_true",
@@ -119,7 +119,7 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
         config = resolve_config(
             PoolSource(preset=args.preset, config_file=args.config,
                        num_blocks=args.num_blocks, kv_memory=args.kv_memory),
-            default_preset=DEFAULT_PRESET, default_kv_memory=RUN_KV_MEMORY, need_kv=True)
+            default_preset=DEFAULT_PRESET, need_kv=True)
     max_len = config.max_model_len if config else 4096
     if args.requests is not None and args.requests < 1:
         raise ValueError(f"--requests must be at least 1 (got {args.requests})")
@@ -195,8 +195,8 @@ def run(args: argparse.Namespace) -> int:
         print("result: interrupted", flush=True)
         return 130
     problems = [p for r in results for p in _problems(r, opts)]
-    print("result: " + ("OK (0 integrity mismatches, every worker finished, pools whole)"
-                        if not problems else "FAILED: " + "; ".join(problems)), flush=True)
+    print("result: " + (_verdict(results) if not problems
+                        else "FAILED: " + "; ".join(problems)), flush=True)
     return 1 if problems else 0
 
 
@@ -214,10 +214,28 @@ def _problems(res: RunResult, opts: LaunchOptions) -> list[str]:
             out.append(f"{res.mode}: the coordinator could not be restarted: {r['error']}")
         elif not r.get("check_clean"):
             out.append(f"{res.mode}: pool check failed after a restart")
-    if res.totals.requests_lost:
-        out.append(f"{res.mode}: {res.totals.requests_lost} request(s) could not be "
+    t = res.totals
+    if t.requests_lost:
+        out.append(f"{res.mode}: {t.requests_lost} request(s) could not be "
                    "resumed after a coordinator restart")
+    offered = t.finished + t.aborted + t.rejected
+    if not t.finished:
+        out.append(f"{res.mode}: no request finished")
+    if 2 * t.rejected > offered:
+        out.append(f"{res.mode}: {t.rejected:,} of {offered:,} requests rejected (longer than "
+                   "the model or the pool: give the pool more memory)")
     return out
+
+
+def _verdict(results: list[RunResult]) -> str:
+    """The OK line: what was checked, in words that stay true."""
+    workers = [w for r in results for w in r.workers]
+    done = sum(1 for w in workers if w.status == "done")
+    killed = [f"worker {w.index}" for w in workers if w.status == "killed"]
+    finished = ("every worker finished" if done == len(workers) else
+                f"{done} of {len(workers)} worker runs finished, "
+                f"{', '.join(killed)} killed as asked")
+    return f"OK (0 integrity mismatches, {finished}, pools whole)"
 
 
 # -- printing ---------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ SPEC`, SPEC being a `WorkerSpec` as JSON, and reads its reports from stdout
 from __future__ import annotations
 
 import argparse
+import asyncio
 import itertools
 import os
 import signal
@@ -52,6 +53,19 @@ async def serve_worker(spec: WorkerSpec) -> int:
         t0 = time.monotonic()
         last = [t0]
 
+        running = [engine]   # emptied before the arena views are dropped
+
+        def stopped() -> None:
+            # The launcher stops us (Ctrl-C): report everything done so far,
+            # samples included, then exit.
+            if running:
+                running[0].restart_stats()
+            emit(Progress(spec.index, elapsed=time.monotonic() - t0, stats=stats))
+            raise SystemExit(128 + signal.SIGTERM)
+
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGTERM, stopped)
+
         def on_step(st: EngineStats) -> None:
             now = time.monotonic()
             if now - last[0] >= spec.progress:
@@ -62,7 +76,9 @@ async def serve_worker(spec: WorkerSpec) -> int:
         await engine.run(items, t0 + spec.duration, on_step,
                          hard_deadline=t0 + spec.duration + spec.grace)
         seconds = time.monotonic() - t0
+        loop.remove_signal_handler(signal.SIGTERM)
         engine.restart_stats()
+        running.clear()
         del engine   # drop the arena views before unmapping
         emit(Done(spec.index, seconds=seconds, stats=stats))
         return 0

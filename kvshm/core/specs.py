@@ -183,6 +183,30 @@ class PoolConfig(msgspec.Struct, frozen=True, kw_only=True):
         per_token = kv.num_kv_heads * kv.head_size * kv.itemsize
         return 2 * kv.num_layers * self.kv_block_size * per_token
 
+    def blocks_for_request(self, num_tokens: int | None = None) -> int:
+        """Most blocks one request of `num_tokens` tokens (default: the
+        longest, max_model_len) holds at once, over all groups: a sliding
+        window or a local chunk holds only its span (+1 block), Mamba one
+        state block (+ speculative ones), cross-attention the encoder's
+        blocks.  A pool needs this many blocks besides the null (and sink)
+        blocks to serve such a request at all."""
+        n = self.max_model_len if num_tokens is None else num_tokens
+        total = self.num_sink_blocks
+        for g, spec in enumerate(self.groups):
+            bs = self.effective_block_size(g)
+            full = -(-n // bs)
+            if isinstance(spec, SlidingWindowSpec):
+                total += min(full, -(-spec.sliding_window // bs) + 1)
+            elif isinstance(spec, ChunkedLocalSpec):
+                total += min(full, -(-spec.attention_chunk_size // bs) + 1)
+            elif isinstance(spec, MambaSpec):
+                total += 1 + spec.num_speculative_blocks
+            elif isinstance(spec, CrossAttentionSpec):
+                total += -(-self.encoder_len // bs)
+            else:
+                total += full
+        return total
+
     def row_capacity(self, group: int) -> int:
         """Most blocks one request can hold in `group`."""
         spec = self.groups[group]
