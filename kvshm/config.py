@@ -67,8 +67,8 @@ def _kv(layers: int, kv_heads: int, head_size: int, dtype: str) -> KVShape:
 PRESETS: dict[str, Preset] = {
     "tiny": Preset(
         "small Llama-shaped model for the CPU workers of `kvshm run`: 4 full-attention "
-        "layers, 4 KV heads x 32, fp16",
-        (FullSpec(16),), _kv(4, 4, 32, "float16"), 4096),
+        "layers, 4 KV heads x 32, fp32 (numpy attention reads it without a cast)",
+        (FullSpec(16),), _kv(4, 4, 32, "float32"), 4096),
     "tiny-hybrid": Preset(
         "small hybrid for the CPU workers: full attention + 256-token sliding window, "
         "2 layers each, 4 KV heads x 32, fp32",

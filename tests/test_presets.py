@@ -120,8 +120,8 @@ def _file(tmp_path, kv: bool):
 
 def test_a_preset_is_sized_by_blocks_memory_or_the_callers_default():
     assert resolve_config(PoolSource(preset="llama-8b", num_blocks=10)).num_blocks == 10
-    assert resolve_config(PoolSource(preset="tiny", kv_memory="16M")).num_blocks == 512
-    assert resolve_config(PoolSource(preset="tiny", kv_memory=16 << 20)).num_blocks == 512
+    assert resolve_config(PoolSource(preset="tiny", kv_memory="32M")).num_blocks == 512
+    assert resolve_config(PoolSource(preset="tiny", kv_memory=32 << 20)).num_blocks == 512
     assert resolve_config(PoolSource(preset="llama-8b")).num_blocks == 1024  # DEFAULT_KV_MEMORY
     assert resolve_config(PoolSource(), default_preset="llama-8b",
                           default_kv_memory="1100M").num_blocks == 550

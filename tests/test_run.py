@@ -27,7 +27,7 @@ RUN = [sys.executable, "-m", "kvshm", "run"]
 # KVSHM_RUN_WORKERS=4) makes it a soak test of the same assertions.
 RUN_SECONDS = os.environ.get("KVSHM_RUN_SECONDS", "3")
 RUN_WORKERS = os.environ.get("KVSHM_RUN_WORKERS", "2")
-LIGHT = ["--kv-memory", "32M", "--quiet"]     # 1,024 blocks of the tiny preset
+LIGHT = ["--kv-memory", "64M", "--quiet"]     # 1,024 blocks of the tiny preset
 TIMEOUT = 120
 
 

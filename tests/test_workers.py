@@ -189,6 +189,46 @@ async def test_a_corrupted_cached_block_is_detected(coordinator, open_worker):
     assert_pool_whole(coord)
 
 
+async def test_the_transformer_shares_hits_and_catches_a_corrupted_block(
+        coordinator, open_worker):
+    """--model transformer: a second engine's hits are another engine's
+    blocks, checked against a recompute within the tolerance (chunking
+    differs, so not bit for bit); a corrupted block is still caught, and a
+    sampled decode step agrees with a contiguous recompute."""
+    coord = await coordinator(kv_config())
+    prefix = toks(4 * BS, seed=21)
+    a = await open_worker(coord, model="transformer", check_decode=1.0)
+    await a.run([Item("a0", prefix + toks(20, seed=22), toks(5, seed=23), "a", 0)])
+    assert_no_mismatch(a.stats)
+    assert a.stats.decode_checks == 4 and a.stats.attention_s > 0 and a.stats.kv_s > 0
+    hits = await cached_prefix_blocks(a.client, prefix + (7,), "probe-a")
+    assert len(hits) == 4
+
+    b = await open_worker(coord, model="transformer", verify_hits=1.0, token_budget=7)
+    await b.run([Item("b0", prefix + toks(30, seed=24), toks(3, seed=25), "b", 0)])
+    assert_no_mismatch(b.stats)
+    assert b.stats.hit_blocks_checked == 4 and b.stats.cross_hit_tokens == 4 * BS
+    assert b.engine.model.fingerprint() == a.engine.model.fingerprint()
+
+    bad = hits[2]
+    original = b.arena.kv[bad].copy()
+    b.arena.kv[bad, 0, 0, 2, 1, 4] += 1.0      # one K element of layer 0, slot 2
+    c = await open_worker(coord, model="transformer", verify_hits=1.0)
+    await c.run([Item("c0", prefix + toks(9, seed=26), toks(2, seed=27), "c", 0)])
+    assert c.stats.hit_mismatches == 1 and c.stats.hit_blocks_checked == 4
+    assert re.search(rf"\b{bad}\b", c.stats.first_error), c.stats.first_error
+    b.arena.kv[bad] = original
+    assert_pool_whole(coord)
+
+
+async def test_the_transformer_runs_on_one_full_attention_group_only(coordinator):
+    config = kv_config(groups=(FullSpec(BS), SlidingWindowSpec(BS, 64)))
+    with pytest.raises(UnsupportedModel, match="transformer model runs on one full-attention"):
+        check_supported(config, "transformer")
+    with pytest.raises(UnsupportedModel, match="unknown model 'gpt'"):
+        check_supported(kv_config(), "gpt")
+
+
 async def test_a_sampled_check_recomputes_only_sampled_blocks_and_still_catches(
         coordinator, open_worker):
     coord = await coordinator(kv_config())

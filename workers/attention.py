@@ -119,12 +119,16 @@ def read_kv(kv_arena: np.ndarray, block_ids, block_size: int, start: int,
     start = nonneg_int(start, "start")
     n = nonneg_int(n, "n")
     _, L, _, _, H, D = kv_arena.shape
-    k = np.empty((L, n, H, D), dtype=kv_arena.dtype)
-    v = np.empty_like(k)
-    for _, bid, s0, s1, t0 in _block_runs(kv_arena, block_ids, block_size, start, n):
-        t1 = t0 + (s1 - s0)
-        k[:, t0:t1] = kv_arena[bid, :, 0, s0:s1]
-        v[:, t0:t1] = kv_arena[bid, :, 1, s0:s1]
+    runs = _block_runs(kv_arena, block_ids, block_size, start, n)   # (checks the table)
+    if not runs:
+        return (np.empty((L, 0, H, D), dtype=kv_arena.dtype),) * 2
+    # One gather of the whole blocks (numpy's fancy indexing, in C), then
+    # the tokens' slice: a long prefix is many blocks.
+    ids = [bid for _, bid, _, _, _ in runs]
+    blocks = kv_arena[ids]                                 # [nb, L, 2, bs, H, D]
+    off = start - runs[0][0] * block_size
+    k = blocks[:, :, 0].transpose(1, 0, 2, 3, 4).reshape(L, -1, H, D)[:, off:off + n]
+    v = blocks[:, :, 1].transpose(1, 0, 2, 3, 4).reshape(L, -1, H, D)[:, off:off + n]
     return k, v
 
 

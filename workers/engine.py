@@ -21,19 +21,16 @@ docstring says why the two are kept apart; change both together.
 from __future__ import annotations
 
 import asyncio
-import random
 import time
 from collections import deque
 from collections.abc import Iterable
 
 import msgspec
-import numpy as np
 
 from kvshm.core.specs import FullSpec, MLASpec, PoolConfig, SlidingWindowSpec
 from kvshm.service import protocol as p
 from kvshm.service.errors import ReplyLost, ResumeFailed
-from kvshm.workers.attention import attention, mismatching_blocks, paged_attention, write_kv
-from kvshm.workers.model import TinyModel
+from kvshm.workers.compute import MODELS, make_compute
 from kvshm.workers.traffic import Item
 
 SUPPORTED_SPECS = (FullSpec, MLASpec, SlidingWindowSpec)
@@ -43,8 +40,11 @@ class UnsupportedModel(ValueError):
     """The pool's groups include an attention type the CPU worker cannot model."""
 
 
-def check_supported(config: PoolConfig) -> None:
-    """Raise UnsupportedModel unless the CPU worker can serve `config`'s pool."""
+def check_supported(config: PoolConfig, model: str = "exact") -> None:
+    """Raise UnsupportedModel unless the CPU worker can serve `config`'s pool
+    with `model` (one of compute.MODELS)."""
+    if model not in MODELS:
+        raise UnsupportedModel(f"unknown model {model!r} (one of {', '.join(MODELS)})")
     for g, spec in enumerate(config.groups):
         if not isinstance(spec, SUPPORTED_SPECS):
             raise UnsupportedModel(
@@ -57,6 +57,10 @@ def check_supported(config: PoolConfig) -> None:
     if config.kv.layout != "blocks":
         raise UnsupportedModel(f"the pool's arena is laid out by {config.kv.layout} for vLLM "
                                "engines; the CPU worker computes into a \"blocks\" arena")
+    if model == "transformer" and (len(config.groups) != 1
+                                   or not isinstance(config.groups[0], (FullSpec, MLASpec))):
+        raise UnsupportedModel("the transformer model runs on one full-attention group "
+                               "(e.g. preset tiny); use --model exact for this pool")
 
 
 class EngineOptions(msgspec.Struct, frozen=True, kw_only=True):
@@ -66,6 +70,7 @@ class EngineOptions(msgspec.Struct, frozen=True, kw_only=True):
     check_decode: float = 0.02        # fraction of decode steps checked against a recompute
     seed: int = 0                     # model weights (all workers of a pool must agree)
     sample_seed: int = 0              # which blocks / steps get sampled
+    model: str = "exact"              # compute.MODELS: "exact" or "transformer"
 
 
 class EngineStats(msgspec.Struct, kw_only=True):
@@ -101,6 +106,7 @@ class EngineStats(msgspec.Struct, kw_only=True):
     requests_lost: int = 0            # ... and those that could not be (recomputed)
     recomputed_tokens: int = 0        # computed tokens given up because of restarts
     stalls_ms: list[int] = []         # loss -> resumed, per restart
+    ttft_ms: list[int] = []           # per request: arrival -> its first token
 
     @property
     def integrity_failures(self) -> int:
@@ -120,19 +126,20 @@ class EngineStats(msgspec.Struct, kw_only=True):
 
     def without_samples(self) -> "EngineStats":
         """A copy without the per-step samples (for progress reports)."""
-        return msgspec.structs.replace(self, batch_us=[], stalls_ms=[])
+        return msgspec.structs.replace(self, batch_us=[], stalls_ms=[], ttft_ms=[])
 
 
 class Seq:
     """A request as the engine sees it."""
 
-    __slots__ = ("rid", "item", "tokens", "prompt_len", "generated", "num_computed",
+    __slots__ = ("rid", "item", "arrived", "tokens", "prompt_len", "generated", "num_computed",
                  "tables", "ctx", "scheduled", "added", "admitted_once", "to_advance",
                  "append")
 
     def __init__(self, item: Item) -> None:
         self.rid = item.rid
         self.item = item
+        self.arrived = time.monotonic()    # queued for admission (for TTFT)
         self.tokens = list(item.prompt)
         self.prompt_len = len(item.prompt)
         self.generated = 0
@@ -154,25 +161,17 @@ class Engine:
 
     def __init__(self, client, arena, config: PoolConfig, opts: EngineOptions,
                  stats: EngineStats | None = None) -> None:
-        check_supported(config)
+        check_supported(config, opts.model)
         self.client = client
         self.arena = arena
         self.config = config
         self.opts = opts
         self.stats = stats or EngineStats()
-        self.tag = client.session_id          # written into arena.writer for our blocks
-        kv = config.kv
-        self.num_layers = kv.num_layers
-        self.groups = [(g, spec.block_size, getattr(spec, "sliding_window", None))
-                       for g, spec in enumerate(config.groups)]
-        # One model layer stack per group (each group is its own set of layers).
-        self.model = TinyModel(num_layers=kv.num_layers * len(config.groups),
-                               num_kv_heads=kv.num_kv_heads, head_size=kv.head_size,
-                               dtype=arena.dtype, seed=opts.seed,
-                               max_positions=config.max_model_len + 1)
-        # Per group: the arena seen with the group's block size on the slot axis.
-        self.views = [arena.kv[:, :, :, :bs] for _, bs, _ in self.groups]
-        self.rng = random.Random(opts.sample_seed)
+        self.groups = [(g, spec.block_size) for g, spec in enumerate(config.groups)]
+        # The model on the arena (workers/compute.py): K/V, attention, checks.
+        self.compute = make_compute(opts.model, config, arena, opts, self.stats,
+                                    tag=client.session_id)
+        self.model = self.compute.model
         self.waiting: deque[Seq] = deque()
         self.running: list[Seq] = []
         self.finishing: list[Seq] = []       # freed in the next batch (after caching)
@@ -312,7 +311,7 @@ class Engine:
 
     def _blocks_needed(self, seq: Seq, n: int) -> int:
         total = 0
-        for g, bs, _ in self.groups:
+        for g, bs in self.groups:
             have = len(seq.tables[g]) if seq.tables else 0
             total += max(0, -(-(seq.num_computed + n) // bs) - have)
         return total
@@ -335,9 +334,9 @@ class Engine:
             st.prompt_tokens += seq.prompt_len
             st.hit_tokens += min(res.num_computed_tokens, seq.prompt_len)
         if res.num_computed_tokens:
-            self._check_hits(seq, res.num_computed_tokens)
+            self.compute.admitted(seq, res.num_computed_tokens)
         else:
-            seq.ctx = self.model.context([])
+            self.compute.started(seq)
         self.running.append(seq)
         return True
 
@@ -439,36 +438,26 @@ class Engine:
 
     # -- the model -------------------------------------------------------------------------------
     def _compute(self) -> bool:
-        """Run the model on this step's scheduled tokens: K/V into the arena,
-        paged attention for decode tokens, then sample (teacher-forced).
-        Returns whether anything ran."""
+        """Run the model on this step's scheduled tokens (K/V into the arena,
+        decode attention), then sample (teacher-forced).  Returns whether
+        anything ran."""
         st = self.stats
-        model = self.model
+        scheduled = [seq for seq in self.running if seq.scheduled]
+        self.compute.run(scheduled)
+        now = time.monotonic()
         still = []
-        ran = any(seq.scheduled for seq in self.running)
-        cpu = time.thread_time
         for seq in self.running:
             n = seq.scheduled
             if not n:
                 still.append(seq)
                 continue
-            start = seq.num_computed
-            toks = seq.tokens[start:start + n]
-            t0 = cpu()
-            k, v, ctx_after = model.kv(toks, start, seq.ctx)
-            self._write(seq, start, k, v)
-            t1 = cpu()
-            st.kv_s += t1 - t0
-            if n == 1 and start >= seq.prompt_len:   # a decode step (not a recompute)
-                check_before = st.check_s
-                self._decode_attention(seq, start, toks[0])
-                st.attention_s += cpu() - t1 - (st.check_s - check_before)
-            seq.ctx = ctx_after
-            seq.num_computed = start + n
+            seq.num_computed += n
             seq.scheduled = 0
             st.computed_tokens += n
             if seq.num_computed == len(seq.tokens):
                 output = seq.item.output
+                if seq.generated == 0:   # its first token: the prompt is done
+                    st.ttft_ms.append(int((now - seq.arrived) * 1000))
                 if seq.generated < len(output):
                     seq.tokens.append(output[seq.generated])
                     seq.append.append(output[seq.generated])
@@ -481,98 +470,7 @@ class Engine:
             seq.to_advance = True
             still.append(seq)
         self.running = still
-        return ran
-
-    def _write(self, seq: Seq, start: int, k: np.ndarray, v: np.ndarray) -> None:
-        L = self.num_layers
-        writer = self.arena.writer
-        n = k.shape[1]
-        for (g, bs, _), view in zip(self.groups, self.views):
-            table = seq.tables[g]
-            write_kv(view, table, bs, start, k[g * L:(g + 1) * L], v[g * L:(g + 1) * L])
-            writer[table[start // bs:-(-(start + n) // bs)]] = self.tag
-
-    def _decode_attention(self, seq: Seq, pos: int, token: int) -> None:
-        """Attention of the decode token over the request's blocks; sampled
-        steps are checked against attention over a contiguous recompute."""
-        L = self.num_layers
-        q = self.model.query(token, pos, seq.ctx)
-        check = self.rng.random() < self.opts.check_decode
-        for (g, bs, window), view in zip(self.groups, self.views):
-            out = paged_attention(q[g * L:(g + 1) * L], view, seq.tables[g], bs, pos + 1,
-                                  window=window)
-            if check:
-                t0 = time.thread_time()
-                if g == 0:
-                    k_ref, v_ref, _ = self.model.kv(seq.tokens[:pos + 1], 0,
-                                                    self.model.context([]))
-                self.stats.decode_checks += 1
-                ref = attention(q[g * L:(g + 1) * L], k_ref[g * L:(g + 1) * L].astype(np.float32),
-                                v_ref[g * L:(g + 1) * L].astype(np.float32), window=window)
-                if not np.allclose(out, ref, rtol=1e-4, atol=1e-5):
-                    self.stats.decode_mismatches += 1
-                    self._error(f"{seq.rid}: paged attention at position {pos} (group {g}) "
-                                f"differs from the contiguous recompute by "
-                                f"{float(np.abs(out - ref).max()):.3g}")
-                self.stats.check_s += time.thread_time() - t0
-
-    def _check_hits(self, seq: Seq, num_hit: int) -> None:
-        """Recompute the hit tokens' K/V and compare them bitwise with the hit
-        blocks (all, or a `verify_hits` sample); count hit tokens in blocks
-        another worker wrote.  Leaves the request's context after its hits."""
-        t0 = time.thread_time()
-        st = self.stats
-        L = self.num_layers
-        writer = self.arena.writer
-        frac = self.opts.verify_hits
-        checks = []
-        for g, bs, _ in self.groups:
-            table = seq.tables[g]
-            idx = [i for i in range(num_hit // bs) if table[i] != 0]   # 0: outside a window
-            if g == 0:
-                st.cross_hit_tokens += bs * sum(1 for i in idx if writer[table[i]] != self.tag)
-            if frac < 1.0:
-                idx = [i for i in idx if self.rng.random() < frac]
-            if idx:
-                checks.append((g, bs, idx))
-        seq.ctx = self.model.context(seq.tokens[:num_hit])
-        expected = self._expected_kv(seq.tokens, checks)
-        for g, bs, idx in checks:
-            table, view = seq.tables[g], self.views[g]
-            st.hit_blocks_checked += len(idx)
-            layers = slice(g * L, (g + 1) * L)
-            bad = []
-            for i in idx:
-                k, v = expected[i * bs, (i + 1) * bs]
-                if mismatching_blocks(view, [table[i]], bs, k[layers], v[layers]):
-                    bad.append(i)
-            if bad:
-                st.hit_mismatches += len(bad)
-                self._error(f"{seq.rid}: {len(bad)} prefix-cache hit block(s) hold the "
-                            f"wrong K/V (group {g}, block ids "
-                            f"{[table[i] for i in bad][:8]})")
-        st.check_s += time.thread_time() - t0
-
-    def _expected_kv(self, tokens: list[int], checks) -> dict:
-        """K/V from scratch for the token ranges of the blocks in `checks`
-        ({(start, end): (k, v)}): each run of adjacent blocks is computed
-        from the context of the tokens before it, so a sample costs only
-        the sampled blocks (plus a cheap prefix scan), not the whole prefix."""
-        ranges = sorted({(i * bs, (i + 1) * bs) for _, bs, idx in checks for i in idx})
-        runs: list[list[int]] = []
-        for lo, hi in ranges:
-            if runs and lo <= runs[-1][1]:
-                runs[-1][1] = max(runs[-1][1], hi)
-            else:
-                runs.append([lo, hi])
-        model = self.model
-        out = {}
-        for lo, hi in runs:
-            k, v, _ = model.kv(tokens[lo:hi], lo, model.context(tokens[:lo]))
-            for a, b in ranges:
-                if lo <= a and b <= hi:
-                    out[a, b] = (k[:, a - lo:b - lo], v[:, a - lo:b - lo])
-        return out
+        return bool(scheduled)
 
     def _error(self, message: str) -> None:
         if not self.stats.first_error:

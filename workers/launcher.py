@@ -58,7 +58,7 @@ class WorkerResult(msgspec.Struct, kw_only=True):
 
     def to_dict(self) -> dict:
         stats = msgspec.to_builtins(self.stats)
-        del stats["batch_us"]
+        del stats["batch_us"], stats["ttft_ms"]
         return {"index": self.index, "cpus": list(self.cpus), "affinity": list(self.affinity),
                 "pid": self.pid, "session": self.session, "status": self.status,
                 "message": self.message, **stats,
@@ -110,6 +110,9 @@ class RunResult(msgspec.Struct, kw_only=True):
             "hit_blocks_checked": t.hit_blocks_checked, "hit_mismatches": t.hit_mismatches,
             "decode_checks": t.decode_checks, "decode_mismatches": t.decode_mismatches,
             "step_batch_us_p50": percentile(lat, 50), "step_batch_us_p99": percentile(lat, 99),
+            "ttft_ms_p50": percentile(sorted(t.ttft_ms), 50),
+            "ttft_ms_p99": percentile(sorted(t.ttft_ms), 99),
+            "requests_per_s": t.finished / self.seconds if self.seconds else 0.0,
             "coordinator_restarts": len(self.restarts), "restarts": self.restarts,
             "requests_resumed": t.requests_resumed, "requests_lost": t.requests_lost,
             "recomputed_tokens": t.recomputed_tokens,
@@ -390,7 +393,7 @@ class Launch:
         try:
             self.config = client.config
             self.pool_names = [client.pool_segment]
-            check_supported(client.config)
+            check_supported(client.config, self.opts.engine.model)
             if not client.arena_segment:
                 raise UnsupportedModel("the coordinator has no KV arena")
         except UnsupportedModel as e:

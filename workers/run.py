@@ -17,6 +17,7 @@ from kvshm.config import DEFAULT_KV_MEMORY, PoolSource, pool_bytes, resolve_conf
 from kvshm.core.errors import KvshmError
 from kvshm.core.hashing import DEFAULT_HASH_ALGORITHM, DEFAULT_HASH_SEED
 from kvshm.workers.channel import WorkloadSpec
+from kvshm.workers.compute import MODELS
 from kvshm.workers.engine import EngineOptions
 from kvshm.workers.launcher import (
     LaunchOptions,
@@ -29,6 +30,11 @@ from kvshm.workers.launcher import (
 from kvshm.workers.topology import describe, format_cpulist
 
 DEFAULT_PRESET = "tiny"
+DEFAULT_MODEL = "transformer"
+# What the integrity checks cost decides their default rate: the exact
+# model's recompute is cheap, the transformer's is a prefill of the prefix.
+CHECK_DEFAULTS = {"exact": {"verify_hits": 1.0, "check_decode": 0.02},
+                  "transformer": {"verify_hits": 0.02, "check_decode": 0.0005}}
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
@@ -64,10 +70,19 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--seed", type=int, default=0, help="workload and model seed")
     ap.add_argument("--token-budget", type=int, default=512, help="tokens per scheduler step")
     ap.add_argument("--max-running", type=int, default=16, help="running requests per worker (16)")
-    ap.add_argument("--verify-hits", type=float, default=1.0,
-                    help="fraction of prefix-cache hit blocks whose K/V are checked (1.0)")
-    ap.add_argument("--check-decode", type=float, default=0.02,
-                    help="fraction of decode steps checked against a recompute (0.02)")
+    ap.add_argument("--model", choices=MODELS, default=DEFAULT_MODEL,
+                    help="what the workers compute: 'transformer' (default: a decoder stack "
+                         "with a real model's cost, so hits save real time; checked within a "
+                         "tolerance) or 'exact' (a toy model whose K/V are bit-exact, for "
+                         "exact integrity runs)")
+    ap.add_argument("--verify-hits", type=float, default=None,
+                    help="hit checks: the fraction of hit blocks compared bit for bit "
+                         "(exact; default 1.0), or of requests whose hit blocks are all "
+                         "recomputed and compared (transformer; default 0.02)")
+    ap.add_argument("--check-decode", type=float, default=None,
+                    help="fraction of decode steps checked against a recompute (default "
+                         "0.02 exact, 0.0005 transformer: there a check recomputes the "
+                         "whole request)")
     ap.add_argument("--no-pin", action="store_true", help="do not pin workers to CPUs")
     ap.add_argument("--kill-worker", type=int, metavar="I",
                     help="fault injection: SIGKILL worker I after --kill-after seconds")
@@ -104,6 +119,9 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
         if args.connect:
             raise ValueError("--kill-coordinator-every needs kvshm run's own coordinator "
                              "(not --connect: supervise that one yourself)")
+    for name, value in CHECK_DEFAULTS[args.model].items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
     for name in ("verify_hits", "check_decode"):
         if not 0.0 <= getattr(args, name) <= 1.0:
             raise ValueError(f"--{name.replace('_', '-')} must be within [0, 1]")
@@ -140,12 +158,12 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
         raise ValueError(f"--json: the directory of {args.json} does not exist")
     engine = EngineOptions(token_budget=args.token_budget, max_running=args.max_running,
                            verify_hits=args.verify_hits, check_decode=args.check_decode,
-                           seed=args.seed)
+                           seed=args.seed, model=args.model)
     if config is not None:
         from kvshm.arena import resolve_dtype
         from kvshm.core.shm import check_shm_space
         from kvshm.workers.engine import check_supported
-        check_supported(config)
+        check_supported(config, args.model)
         resolve_dtype(config.kv.dtype)   # e.g. bfloat16 without ml_dtypes: say so now
         pools = args.workers if (args.isolated or args.compare) else 1
         per_pool = config if pools == 1 else isolated_config(config, pools)
@@ -189,8 +207,10 @@ def run(args: argparse.Namespace) -> int:
     if len(results) == 2:
         print(comparison(*results), flush=True)
     if args.json:
-        Path(args.json).write_text(json.dumps(
-            {"runs": [r.to_dict() for r in results]}, indent=2))
+        doc = {"runs": [r.to_dict() for r in results]}
+        if len(results) == 2:
+            doc["speedup"] = speedup(*results)
+        Path(args.json).write_text(json.dumps(doc, indent=2))
     if any(r.interrupted for r in results):
         print("result: interrupted", flush=True)
         return 130
@@ -281,6 +301,8 @@ def summary(res: RunResult) -> str:
            f"({_pct(cross, hit)} of hits)",
            f"  allocation        step batch round trip p50 {percentile(lat, 50) or 0:,} us, "
            f"p99 {percentile(lat, 99) or 0:,} us over {len(lat):,} steps",
+           f"  first token       p50 {percentile(sorted(t.ttft_ms), 50) or 0:,} ms, p99 "
+           f"{percentile(sorted(t.ttft_ms), 99) or 0:,} ms from arrival (queueing included)",
            f"  preemptions       {t.preemptions:,}",
            f"  worker time       CPU s: K/V {t.kv_s:,.1f}, decode attention "
            f"{t.attention_s:,.1f}, integrity checks {t.check_s:,.1f}; waiting for "
@@ -344,9 +366,15 @@ def comparison(shared: RunResult, isolated: RunResult) -> str:
     def lat(r, q):
         return f"{percentile(r.latencies, q) or 0:,}"
 
+    def ttft(r, q):
+        return f"{percentile(sorted(r.totals.ttft_ms), q) or 0:,}"
+
     rows = [
         "== shared vs isolated (same workload, same total blocks)",
         row("", "shared", "isolated"),
+        row("wall time s", f"{shared.seconds:,.1f}", f"{isolated.seconds:,.1f}"),
+        row("time to first token p50 ms", ttft(shared, 50), ttft(isolated, 50)),
+        row("time to first token p99 ms", ttft(shared, 99), ttft(isolated, 99)),
         row("prefix hit rate", rate(shared), rate(isolated)),
         row("tokens saved (hits)", f"{shared.totals.hit_tokens:,}",
             f"{isolated.totals.hit_tokens:,}"),
@@ -376,7 +404,31 @@ def comparison(shared: RunResult, isolated: RunResult) -> str:
     diff = shared.hit_rate - isolated.hit_rate
     rows.append(f"  the shared pool's hit rate is {abs(diff) * 100:.1f} points "
                 f"{'higher' if diff > 0 else 'LOWER'} than isolated pools'")
+    rows.append("  " + speedup_line(shared, isolated))
     return "\n".join(rows)
+
+
+def speedup(shared: RunResult, isolated: RunResult) -> float | None:
+    """Isolated wall time / shared wall time, when both did the same work
+    (every request of a --requests workload finished in both)."""
+    s, i = shared.totals, isolated.totals
+    same = s.finished == i.finished and not s.aborted and not i.aborted
+    return isolated.seconds / shared.seconds if same and shared.seconds else None
+
+
+def speedup_line(shared: RunResult, isolated: RunResult) -> str:
+    """The speedup, and in one sentence where the difference comes from."""
+    s, i = shared.totals, isolated.totals
+    x = speedup(shared, isolated)
+    head = (f"speedup {x:.2f}x (isolated {isolated.seconds:.1f} s / shared "
+            f"{shared.seconds:.1f} s, same work)" if x is not None else
+            "no speedup figure: the runs did different amounts of work (give --requests N "
+            "and a --duration long enough for both to finish)")
+    return (f"{head}: shared computed {s.computed_tokens:,} tokens' K/V vs {i.computed_tokens:,} "
+            f"({i.computed_tokens - s.computed_tokens:+,} for isolated pools, from "
+            f"{s.cross_hit_tokens:,} hit tokens another worker wrote); prefill CPU "
+            f"{s.kv_s:,.1f} vs {i.kv_s:,.1f} s, decode {s.attention_s:,.1f} vs "
+            f"{i.attention_s:,.1f} s")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,286 @@
+"""A decoder layer stack with a real model's cost (`kvshm run --model transformer`).
+
+Per layer: RMSNorm, Q/K/V projections, rotary positions, grouped-query
+attention over the request's K/V (for earlier tokens: the paged blocks of
+the arena, as read by the engine), output projection and a SwiGLU MLP, in
+float32 numpy with fixed seeded weights.  Dimensions come from the pool's KV
+shape: its KV heads and head size, twice as many query heads, a hidden size
+of query heads x head size and an MLP of 3 x hidden.  Prefilling n tokens
+costs about 2 x parameters x n FLOPs plus attention, as in a real model, so
+a prefix-cache hit saves what it would in a real engine.
+
+Not bit-exact: float32 BLAS results depend on how the tokens were chunked
+(one prefill chunk or another), so K/V recomputed for a hit agree with the
+cached ones only within `TOLERANCE`, relative to the values' scale.  A
+corrupted block is off by the values' whole magnitude and is caught.  The
+exact model (model.py) stays for bit-exact integrity runs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+
+import numpy as np
+
+from kvshm.workers.attention import read_kv
+from kvshm.workers.compute import ComputeBase
+from kvshm.workers.model import nonneg_int, positive_int
+
+# Largest |cached - recomputed| accepted, in units of the recomputed block's
+# largest |value|: float32 chunking differences are ~1e-6 of it, one step of
+# float16 rounding 5e-4, of bfloat16 4e-3; a corrupted block is ~1 off.
+TOLERANCE = 2e-2
+_ROPE_BASE = 10000.0
+_EPS = 1e-5
+
+
+class TransformerModel:
+    """Fixed-weight decoder stack.  `forward(tokens, start, prefix_k,
+    prefix_v)` runs new tokens at positions start.. over the K/V of the
+    earlier ones and returns their K/V (in the arena's dtype, as a real
+    engine stores them) and final hidden states."""
+
+    exact = False
+
+    def __init__(self, *, num_layers: int, num_kv_heads: int, head_size: int, dtype,
+                 seed: int = 0, vocab: int = 4096, query_per_kv: int = 2,
+                 mlp_ratio: int = 3) -> None:
+        self.num_layers = positive_int(num_layers, "num_layers")
+        self.num_kv_heads = positive_int(num_kv_heads, "num_kv_heads")
+        self.head_size = positive_int(head_size, "head_size")
+        if self.head_size % 2:
+            raise ValueError(f"head_size must be even (rotary pairs), got {self.head_size}")
+        self.seed = nonneg_int(seed, "seed")
+        self.vocab = positive_int(vocab, "vocab")
+        self.dtype = np.dtype(dtype)
+        self.num_q_heads = self.num_kv_heads * positive_int(query_per_kv, "query_per_kv")
+        L, Hkv, D = self.num_layers, self.num_kv_heads, self.head_size
+        d = self.hidden = self.num_q_heads * D
+        inter = self.intermediate = positive_int(mlp_ratio, "mlp_ratio") * d
+        rng = np.random.default_rng(self.seed)
+
+        def weights(*shape: int) -> np.ndarray:
+            w = rng.standard_normal(shape, dtype=np.float32) / np.float32(np.sqrt(shape[-2]))
+            w.flags.writeable = False
+            return w
+
+        self.embed = rng.standard_normal((self.vocab, d), dtype=np.float32)
+        self.w_qkv = weights(L, d, (self.num_q_heads + 2 * Hkv) * D)
+        self.w_o = weights(L, self.num_q_heads * D, d)
+        self.w_gate_up = weights(L, d, 2 * inter)
+        self.w_down = weights(L, inter, d)
+        self.inv_freq = (_ROPE_BASE ** (-np.arange(0, D, 2, dtype=np.float64) / D)
+                         ).astype(np.float32)
+
+    @property
+    def parameters(self) -> int:
+        """Weights a token's forward pass multiplies (the embedding excluded)."""
+        return sum(w[0].size for w in (self.w_qkv, self.w_o, self.w_gate_up, self.w_down)
+                   ) * self.num_layers
+
+    def fingerprint(self) -> str:
+        """Same weights, same fingerprint (every worker of a pool must agree)."""
+        h = hashlib.sha256()
+        for a in (self.embed, self.w_qkv, self.w_o, self.w_gate_up, self.w_down):
+            h.update(a.tobytes())
+        h.update(self.dtype.str.encode())
+        return h.hexdigest()[:16]
+
+    # -- the forward pass -----------------------------------------------------------------
+    def forward(self, tokens, start: int, prefix_k: np.ndarray | None = None,
+                prefix_v: np.ndarray | None = None):
+        """Tokens at positions start..start+n-1, attending to themselves
+        (causally) and to `prefix_k` / `prefix_v` ([L, start, H, D], the
+        K/V of the earlier tokens; None when start is 0).  Returns
+        (k, v, hidden): k and v [L, n, H, D] in the model's dtype, hidden
+        [n, hidden] float32."""
+        [(k, v, h)] = self.forward_batch([(tokens, start, prefix_k, prefix_v)])
+        return k, v, h
+
+    def forward_batch(self, segments):
+        """`forward` for several requests at once, as an engine runs a step:
+        the projections and the MLP see every segment's tokens in one matrix
+        product (decode tokens batch well), attention runs per segment.
+        `segments`: [(tokens, start, prefix_k, prefix_v)]; returns one
+        (k, v, hidden) per segment."""
+        L, Hq, Hkv, D = self.num_layers, self.num_q_heads, self.num_kv_heads, self.head_size
+        toks, positions, spans = [], [], []
+        at = 0
+        for tokens, start, prefix_k, _ in segments:
+            t = np.asarray(tokens, dtype=np.int64)
+            if start and (prefix_k is None or prefix_k.shape[1] != start):
+                raise ValueError(f"the K/V of the {start} earlier tokens are needed")
+            toks.append(t)
+            positions.append(np.arange(start, start + t.size, dtype=np.float32))
+            spans.append((at, at + t.size))
+            at += t.size
+        angles = np.concatenate(positions)[:, None] * self.inv_freq
+        cos, sin = np.cos(angles)[:, None, :], np.sin(angles)[:, None, :]
+        x = self.embed[np.concatenate(toks) % self.vocab]
+        n = x.shape[0]
+        ks = np.empty((L, n, Hkv, D), dtype=self.dtype)
+        vs = np.empty_like(ks)
+        attn = np.empty((n, Hq * D), dtype=np.float32)
+        for layer in range(L):
+            qkv = _rms(x) @ self.w_qkv[layer]
+            q = _rotate(qkv[:, :Hq * D].reshape(n, Hq, D), cos, sin)
+            ks[layer] = _rotate(qkv[:, Hq * D:(Hq + Hkv) * D].reshape(n, Hkv, D), cos, sin)
+            vs[layer] = qkv[:, (Hq + Hkv) * D:].reshape(n, Hkv, D)
+            # Attention reads K/V as stored (rounded to the arena's dtype),
+            # as an engine reading its cache does.
+            for (lo, hi), (_, start, prefix_k, prefix_v) in zip(spans, segments):
+                keys, values = ks[layer, lo:hi], vs[layer, lo:hi]
+                if start:
+                    keys = np.concatenate((prefix_k[layer], keys))
+                    values = np.concatenate((prefix_v[layer], values))
+                attn[lo:hi] = _attention(q[lo:hi], keys.astype(np.float32, copy=False),
+                                         values.astype(np.float32, copy=False), start)
+            x = x + attn @ self.w_o[layer]
+            gate, up = np.split(_rms(x) @ self.w_gate_up[layer], 2, axis=1)
+            x = x + (gate / (1 + np.exp(-gate)) * up) @ self.w_down[layer]
+        return [(ks[:, lo:hi], vs[:, lo:hi], x[lo:hi]) for lo, hi in spans]
+
+
+def _attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, start: int) -> np.ndarray:
+    """Causal grouped-query attention: q [n, Hq, D] (positions start..) over
+    keys / values [T, Hkv, D] (T = start + n) -> [n, Hq * D]."""
+    n, Hq, D = q.shape
+    T, Hkv, _ = keys.shape
+    g = Hq // Hkv
+    qh = q.reshape(n, Hkv, g, D).transpose(1, 2, 0, 3)          # [Hkv, g, n, D]
+    scores = qh @ keys.transpose(1, 2, 0)[:, None] / np.float32(np.sqrt(D))
+    future = np.arange(T)[None, :] > (start + np.arange(n))[:, None]
+    scores[..., future] = -np.inf
+    scores -= scores.max(axis=-1, keepdims=True)
+    np.exp(scores, out=scores)
+    scores /= scores.sum(axis=-1, keepdims=True)
+    out = scores @ values.transpose(1, 0, 2)[:, None]            # [Hkv, g, n, D]
+    return out.transpose(2, 0, 1, 3).reshape(n, Hq * D)
+
+
+def mismatching_blocks_within(view: np.ndarray, block_ids, block_size: int, k: np.ndarray,
+                              v: np.ndarray, tolerance: float = TOLERANCE) -> list[int]:
+    """Indices into `block_ids` whose K/V in the arena differ from `k` / `v`
+    ([L, len(block_ids) * block_size, H, D], the recomputed values) by more
+    than `tolerance` x the recomputed block's largest |value|."""
+    bad = []
+    for i, bid in enumerate(block_ids):
+        got_k, got_v = read_kv(view, [bid], block_size, 0, block_size)
+        for got, want in ((got_k, k), (got_v, v)):
+            ref = want[:, i * block_size:(i + 1) * block_size].astype(np.float32)
+            scale = float(np.abs(ref).max()) or 1.0
+            if float(np.abs(got.astype(np.float32) - ref).max()) > tolerance * scale:
+                bad.append(i)
+                break
+    return bad
+
+
+def _rms(x: np.ndarray) -> np.ndarray:
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + np.float32(_EPS))
+
+
+def _rotate(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """Rotary positions on [n, heads, D] (pairs: first half, second half)."""
+    half = x.shape[-1] // 2
+    a, b = x[..., :half], x[..., half:]
+    return np.concatenate((a * cos - b * sin, a * sin + b * cos), axis=-1)
+
+
+class TransformerCompute(ComputeBase):
+    """The transformer on the arena (one full-attention group): a step's
+    prefill chunks run as one batch and its decode tokens as another, each
+    over the K/V gathered from the request's blocks.  `verify_hits` is the
+    fraction of admitted requests whose hit blocks are all recomputed and
+    compared within TOLERANCE (a recompute costs a prefill of the prefix);
+    `check_decode` the fraction of decode tokens whose hidden state is
+    compared with a contiguous recompute of the whole request."""
+
+    def __init__(self, config, arena, opts, stats, tag: int) -> None:
+        super().__init__(config, arena, opts, stats, tag)
+        kv = config.kv
+        self.model = TransformerModel(num_layers=kv.num_layers, num_kv_heads=kv.num_kv_heads,
+                                      head_size=kv.head_size, dtype=arena.dtype,
+                                      seed=opts.seed)
+        self.view = self.views[0]
+        self.block_size = self.groups[0][1]
+
+    def run(self, seqs) -> None:
+        st = self.stats
+        decode = [s for s in seqs if s.scheduled == 1 and s.num_computed >= s.prompt_len]
+        prefill = [s for s in seqs if not (s.scheduled == 1 and s.num_computed >= s.prompt_len)]
+        for batch, is_decode in ((prefill, False), (decode, True)):
+            if not batch:
+                continue
+            t0 = time.thread_time()
+            segments = [self._segment(seq) for seq in batch]
+            outs = self.model.forward_batch(segments)
+            for seq, (k, v, _) in zip(batch, outs):
+                self.write(seq, seq.num_computed, k, v)
+            spent = time.thread_time() - t0
+            if is_decode:
+                st.attention_s += spent
+                for seq, (_, _, hidden) in zip(batch, outs):
+                    if self.rng.random() < self.opts.check_decode:
+                        self._check_decode(seq, hidden[-1])
+            else:
+                st.kv_s += spent
+
+    def _segment(self, seq):
+        start = seq.num_computed
+        if start:
+            k, v = read_kv(self.view, seq.tables[0], self.block_size, 0, start)
+        else:
+            k = v = None
+        return seq.tokens[start:start + seq.scheduled], start, k, v
+
+    def started(self, seq) -> None:
+        """A request admitted without hits: nothing to check."""
+
+    def admitted(self, seq, num_hit: int) -> None:
+        """Count the hits another worker wrote; for a `verify_hits` sample of
+        requests, recompute the hit prefix and compare every hit block."""
+        t0 = time.thread_time()
+        st = self.stats
+        verify = self.rng.random() < self.opts.verify_hits
+        idx = self._all_hit_blocks(seq, num_hit, count_only=not verify)
+        if idx:
+            bs = self.block_size
+            end = (idx[-1] + 1) * bs
+            k, v, _ = self.model.forward(seq.tokens[:end], 0)
+            table = seq.tables[0]
+            ids = [table[i] for i in idx]
+            want_k = np.concatenate([k[:, i * bs:(i + 1) * bs] for i in idx], axis=1)
+            want_v = np.concatenate([v[:, i * bs:(i + 1) * bs] for i in idx], axis=1)
+            bad = mismatching_blocks_within(self.view, ids, bs, want_k, want_v)
+            st.hit_blocks_checked += len(idx)
+            if bad:
+                st.hit_mismatches += len(bad)
+                self.error(f"{seq.rid}: {len(bad)} prefix-cache hit block(s) differ from a "
+                           f"recompute by more than {TOLERANCE:g} of their scale (block ids "
+                           f"{[ids[i] for i in bad][:8]})")
+        st.check_s += time.thread_time() - t0
+
+    def _all_hit_blocks(self, seq, num_hit: int, count_only: bool) -> list[int]:
+        """Indices of the request's hit blocks (counting those another worker
+        wrote); [] with `count_only`."""
+        table = seq.tables[0]
+        writer = self.arena.writer
+        idx = [i for i in range(num_hit // self.block_size) if table[i] != 0]
+        self.stats.cross_hit_tokens += self.block_size * sum(
+            1 for i in idx if writer[table[i]] != self.tag)
+        return [] if count_only else idx
+
+    def _check_decode(self, seq, hidden: np.ndarray) -> None:
+        t0 = time.thread_time()
+        st = self.stats
+        pos = seq.num_computed
+        _, _, ref = self.model.forward(seq.tokens[:pos + 1], 0)
+        st.decode_checks += 1
+        scale = float(np.abs(ref[-1]).max()) or 1.0
+        diff = float(np.abs(hidden - ref[-1]).max())
+        if diff > TOLERANCE * scale:
+            st.decode_mismatches += 1
+            self.error(f"{seq.rid}: the decode step at position {pos} differs from a "
+                       f"contiguous recompute by {diff:.3g} (scale {scale:.3g})")
+        st.check_s += time.thread_time() - t0
