@@ -179,6 +179,36 @@ def test_compare_shared_and_isolated(tmp_path):
     assert_ran_cleanly(proc, before, [shared, isolated])
 
 
+def test_a_fixed_amount_of_work_gives_a_speedup_ttft_and_a_plot(tmp_path):
+    out, png = tmp_path / "out.json", tmp_path / "run.png"
+    proc = run("--compare", "--requests", "8", "--duration", "120", "--json", str(out),
+               "--plot", str(png), *LIGHT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    doc = json.loads(out.read_text())
+    shared, isolated = doc["runs"]
+    assert shared["requests"] == isolated["requests"] == 8
+    assert doc["speedup"] == pytest.approx(isolated["seconds"] / shared["seconds"])
+    for r in (shared, isolated):
+        assert 0 < r["ttft_ms_p50"] <= r["ttft_ms_p99"] and r["requests_per_s"] > 0
+        assert r["timeline"] and r["timeline"][-1][1] == r["prompt_tokens"]
+    assert re.search(r"speedup \d+\.\d\dx \(isolated [\d.]+ s / shared [\d.]+ s, same "
+                     r"work\): shared computed", proc.stdout), proc.stdout
+    assert "time to first token p50 ms" in proc.stdout
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_without_matplotlib_is_refused_up_front(tmp_path):
+    blocker = tmp_path / "block"
+    (blocker / "matplotlib").mkdir(parents=True)
+    (blocker / "matplotlib" / "__init__.py").write_text("raise ImportError('no matplotlib')\n")
+    env = dict(os.environ, PYTHONPATH=str(blocker))
+    proc = subprocess.run([*RUN, "--plot", str(tmp_path / "x.png"), *LIGHT],
+                          capture_output=True, text=True, timeout=TIMEOUT, env=env)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "--plot needs matplotlib: pip install 'kvshm[plot]'" in proc.stderr
+    assert "== shared pool" not in proc.stdout
+
+
 def test_jsonl_workload(tmp_path):
     rng = random.Random(5)
     ids = [rng.randrange(32000) for _ in range(64)]

@@ -44,6 +44,9 @@ from kvshm.workers.topology import (
 )
 
 
+TIMELINE_PERIOD = 0.5   # seconds between the samples of RunResult.timeline
+
+
 class WorkerResult(msgspec.Struct, kw_only=True):
     index: int
     cpus: tuple[int, ...]
@@ -73,6 +76,8 @@ class RunResult(msgspec.Struct, kw_only=True):
     pools: list[dict] = []        # per coordinator, after the run
     interrupted: bool = False
     restarts: list[dict] = []     # the coordinators' restarts
+    # Every TIMELINE_PERIOD s: (seconds, prompt tokens, hit tokens, tokens served)
+    timeline: list[tuple[float, int, int, int]] = []
 
     @property
     def totals(self) -> EngineStats:
@@ -119,6 +124,7 @@ class RunResult(msgspec.Struct, kw_only=True):
             "stall_ms_p50": percentile(stalls, 50),
             "stall_ms_max": stalls[-1] if stalls else None,
             "pools": self.pools,
+            "timeline": [list(sample) for sample in self.timeline],
             "workers": [w.to_dict() for w in self.workers],
         }
 
@@ -170,6 +176,7 @@ class Launch:
         self._stopping = False
         self._t0 = 0.0
         self._last_rate = (0.0, 0)   # (elapsed, tokens served) at the last status line
+        self.timeline: list[tuple[float, int, int, int]] = []
 
     # -- coordinators ------------------------------------------------------------------------------
     def start_coordinators(self) -> None:
@@ -343,6 +350,7 @@ class Launch:
             self.procs = [await self.spawn(i) for i in range(self.opts.num_workers)]
             watchers = [asyncio.ensure_future(self.watch(i, p)) for i, p in enumerate(self.procs)]
             extras += [asyncio.ensure_future(self._progress(t0)),
+                       asyncio.ensure_future(self._record_timeline(t0)),
                        asyncio.ensure_future(self._stop_on_interrupt())]
             if self.opts.kill_worker is not None:
                 extras.append(asyncio.ensure_future(self._kill_later()))
@@ -372,9 +380,10 @@ class Launch:
             await asyncio.to_thread(self.stop_coordinators)
         if self.opts.live:
             self.out.write("\n" if self.out.isatty() else "")
+        self._sample(time.monotonic() - t0)
         return RunResult(mode=self.mode, config=self.config, workers=self.results,
                          seconds=seconds, pools=pools, interrupted=self.interrupted.is_set(),
-                         restarts=self.restarts)
+                         restarts=self.restarts, timeline=self.timeline)
 
     async def _coordinators_up(self, timeout: float = 30.0) -> None:
         """Wait (bounded) for the supervisor to bring a killed coordinator back."""
@@ -413,6 +422,16 @@ class Launch:
         proc = self.procs[self.opts.kill_worker]
         if proc.returncode is None:
             proc.kill()
+
+    async def _record_timeline(self, t0: float) -> None:
+        while True:
+            await asyncio.sleep(TIMELINE_PERIOD)
+            self._sample(time.monotonic() - t0)
+
+    def _sample(self, elapsed: float) -> None:
+        t = EngineStats.total(w.stats for w in self.results)
+        self.timeline.append((round(elapsed, 3), t.prompt_tokens, t.hit_tokens,
+                              t.computed_tokens + t.hit_tokens))
 
     async def _progress(self, t0: float) -> None:
         """A status line every second (rewritten in place on a terminal,

@@ -96,6 +96,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--hash-algorithm", default=DEFAULT_HASH_ALGORITHM, help="with --connect")
     ap.add_argument("--hash-seed", default=DEFAULT_HASH_SEED, help="with --connect")
     ap.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    ap.add_argument("--plot", metavar="FILE.png",
+                    help="draw the run(s): hit rate and tokens/s over time, time to first "
+                         "token (needs matplotlib: pip install 'kvshm[plot]')")
     ap.add_argument("--quiet", action="store_true", help="no live progress")
 
 
@@ -154,8 +157,13 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
         load_jsonl(path, max_len=max_len)    # bad lines fail here, not in N workers
         workload = WorkloadSpec(kind="jsonl", path=str(path.resolve()), max_len=max_len,
                                 limit=args.requests, assign=args.assign)
-    if args.json and not Path(args.json).resolve().parent.is_dir():
-        raise ValueError(f"--json: the directory of {args.json} does not exist")
+    for flag in ("json", "plot"):
+        path = getattr(args, flag)
+        if path and not Path(path).resolve().parent.is_dir():
+            raise ValueError(f"--{flag}: the directory of {path} does not exist")
+    if args.plot:
+        from kvshm.workers.plot import require
+        require()
     engine = EngineOptions(token_budget=args.token_budget, max_running=args.max_running,
                            verify_hits=args.verify_hits, check_decode=args.check_decode,
                            seed=args.seed, model=args.model)
@@ -211,6 +219,10 @@ def run(args: argparse.Namespace) -> int:
         if len(results) == 2:
             doc["speedup"] = speedup(*results)
         Path(args.json).write_text(json.dumps(doc, indent=2))
+    if args.plot and results:
+        from kvshm.workers.plot import plot_runs
+        plot_runs(results, args.plot)
+        print(f"plot: {args.plot}", flush=True)
     if any(r.interrupted for r in results):
         print("result: interrupted", flush=True)
         return 130
