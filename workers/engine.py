@@ -64,6 +64,9 @@ class EngineOptions(msgspec.Struct, frozen=True, kw_only=True):
     max_running: int = 16
     verify_hits: float = 1.0          # fraction of hit blocks whose K/V are checked
     check_decode: float = 0.02        # fraction of decode steps checked against a recompute
+    # A load generator (scripts/numa_stress.py): the scheduler's ops and the
+    # arena's writer stamps, no model compute (no K/V, attention or checks).
+    load_only: bool = False
     seed: int = 0                     # model weights (all workers of a pool must agree)
     sample_seed: int = 0              # which blocks / steps get sampled
 
@@ -83,6 +86,7 @@ class EngineStats(msgspec.Struct, kw_only=True):
     generated_tokens: int = 0
     preemptions: int = 0
     steps: int = 0
+    ops: int = 0                      # operations sent to the coordinator (every batch's)
     hit_blocks_checked: int = 0
     hit_mismatches: int = 0           # hit blocks whose K/V differed (must stay 0)
     decode_checks: int = 0
@@ -155,6 +159,9 @@ class Engine:
     def __init__(self, client, arena, config: PoolConfig, opts: EngineOptions,
                  stats: EngineStats | None = None) -> None:
         check_supported(config)
+        if opts.load_only and (opts.verify_hits or opts.check_decode):
+            raise ValueError("load_only computes no K/V to check: verify_hits and check_decode "
+                             "must be 0")
         self.client = client
         self.arena = arena
         self.config = config
@@ -402,6 +409,7 @@ class Engine:
         """`client.batch(ops)`; None when a coordinator restart lost requests
         (they are requeued by `_requests_lost`).  The client resumes by
         itself, so an ordinary restart is only a delay here."""
+        self.stats.ops += len(ops)
         try:
             return await self.client.batch(ops)
         except (ResumeFailed, ReplyLost) as e:
@@ -460,11 +468,14 @@ class Engine:
             start = seq.num_computed
             toks = seq.tokens[start:start + n]
             t0 = cpu()
-            k, v, ctx_after = model.kv(toks, start, seq.ctx)
-            self._write(seq, start, k, v)
+            if self.opts.load_only:
+                k = v = ctx_after = None
+            else:
+                k, v, ctx_after = model.kv(toks, start, seq.ctx)
+            self._write(seq, start, n, k, v)
             t1 = cpu()
             st.kv_s += t1 - t0
-            if n == 1 and start >= seq.prompt_len:   # a decode step (not a recompute)
+            if n == 1 and start >= seq.prompt_len and not self.opts.load_only:  # decode
                 check_before = st.check_s
                 self._decode_attention(seq, start, toks[0])
                 st.attention_s += cpu() - t1 - (st.check_s - check_before)
@@ -488,13 +499,13 @@ class Engine:
         self.running = still
         return ran
 
-    def _write(self, seq: Seq, start: int, k: np.ndarray, v: np.ndarray) -> None:
+    def _write(self, seq: Seq, start: int, n: int, k: np.ndarray | None, v) -> None:
         L = self.num_layers
         writer = self.arena.writer
-        n = k.shape[1]
         for (g, bs, _), view in zip(self.groups, self.views):
             table = seq.tables[g]
-            write_kv(view, table, bs, start, k[g * L:(g + 1) * L], v[g * L:(g + 1) * L])
+            if k is not None:   # (None with load_only: only the stamps)
+                write_kv(view, table, bs, start, k[g * L:(g + 1) * L], v[g * L:(g + 1) * L])
             writer[table[start // bs:-(-(start + n) // bs)]] = self.tag
 
     def _decode_attention(self, seq: Seq, pos: int, token: int) -> None:
@@ -540,7 +551,7 @@ class Engine:
                 idx = [i for i in idx if self.rng.random() < frac]
             if idx:
                 checks.append((g, bs, idx))
-        seq.ctx = self.model.context(seq.tokens[:num_hit])
+        seq.ctx = None if self.opts.load_only else self.model.context(seq.tokens[:num_hit])
         expected = self._expected_kv(seq.tokens, checks)
         for g, bs, idx in checks:
             table, view = seq.tables[g], self.views[g]
