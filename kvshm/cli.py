@@ -292,7 +292,8 @@ def cmd_stats(args: argparse.Namespace) -> int:
           f"{st['num_cached_blocks']} cached, {st['num_used_blocks']} used "
           f"(usage {st['usage']:.1%})")
     print(f"  requests {st['num_requests']}; prefix cache: {st['queries']} lookups, "
-          f"{st['hits']} with a hit; {st['hit_tokens']} of {st['query_tokens']} tokens hit")
+          f"{st['hits']} with a hit; {st['hit_tokens']} of {st['query_tokens']} tokens hit; "
+          f"{st['blocks_allocated']} blocks allocated, {st['blocks_evicted']} evicted")
     if st["coordinator_alive"]:
         state = f"(alive), up {st['uptime_s']:.0f}s"
     else:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 
 from kvshm import FullSpec, KVCacheManager, PoolConfig, Request
 from kvshm.core.check import check_segment
@@ -60,6 +61,45 @@ def kvshm_segments() -> set[str]:
         return {n for n in os.listdir(SHM_DIR) if n.startswith("kvshm")}
     except OSError:
         return set()
+
+
+def cmdline(p) -> str:
+    """A psutil process's command line as one string ("" once it is gone)."""
+    import psutil
+    try:
+        return " ".join(p.cmdline())
+    except psutil.Error:
+        return ""
+
+
+def descendants_when(proc, ready, timeout: float = 30.0) -> list:
+    """The descendants (psutil processes) of subprocess `proc` once their
+    command lines satisfy `ready` (a predicate on the list of them); fails
+    if `proc` exits or `timeout` passes first."""
+    import psutil
+    me = psutil.Process(proc.pid)
+    deadline = time.monotonic() + timeout
+    while True:
+        children = me.children(recursive=True)
+        cmds = [cmdline(c) for c in children]
+        if ready(cmds):
+            return children
+        assert proc.poll() is None and time.monotonic() < deadline, cmds
+        time.sleep(0.1)
+
+
+def kill_all(proc, children) -> None:
+    """What a failed test leaves: kill subprocess `proc` and `children`
+    (psutil checks each is still the same process)."""
+    import psutil
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+    for child in children:
+        try:
+            child.kill()
+        except psutil.Error:
+            pass
 
 
 def leftovers(before: set[str]) -> list[str]:

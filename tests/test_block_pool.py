@@ -130,6 +130,39 @@ def test_reusing_a_cached_free_block_evicts_its_hash():
         assert_clean(m)
 
 
+def test_the_header_counts_blocks_allocated_and_evicted():
+    """Pool churn in the segment header (kvshm stats): every block handed
+    out, and every cached hash dropped, by reuse or evict_blocks; a reset
+    is not an eviction, hits are not allocations."""
+    from kvshm.core.stats import read_stats
+    with KVCacheManager(make_config()) as m:
+        seg = m.segment
+
+        def churn():
+            st = read_stats(seg)
+            return st["blocks_allocated"], st["blocks_evicted"]
+
+        assert churn() == (0, 0)            # the null block is not an allocation
+        h = m.make_hasher()
+        a = Request("a", tokens(0, 8), h)
+        assert m.allocate_slots(a, 8) == ([1, 2],)
+        m.free(a)
+        assert churn() == (2, 0)
+        big = Request("big", tokens(200, 232), h)
+        assert m.allocate_slots(big, 32) == ([3, 4, 5, 6, 7, 8, 9, 2],)
+        assert churn() == (10, 1)           # block 2's hash went with it
+        c = Request("c", tokens(0, 9), h)
+        hits, n = m.get_computed_blocks(c)
+        assert m.allocate_slots(c, 9 - n, n, hits) is None   # the hit is not counted
+        assert churn() == (10, 1)
+        m.evict_blocks([1, 3])              # 1 cached, 3 in use and cached
+        assert churn() == (10, 3)
+        m.free(big)
+        assert m.reset_prefix_cache()
+        assert churn() == (10, 3)
+        assert_clean(m)
+
+
 def test_identical_content_is_cached_twice_and_the_earliest_block_wins():
     """No dedup: a second request with the same prompt (not reading the cache)
     caches its own copies; lookups return the earliest cached block per hash,

@@ -114,3 +114,25 @@ async def test_the_launcher_marks_a_worker_with_unreadable_reports():
     res = launch.results[0]
     assert res.session == 4 and res.affinity == (0,)
     assert res.status == "error" and "unreadable report" in res.message
+
+
+async def test_start_together_releases_every_worker_once_all_are_ready():
+    """Workers wait after Ready until the launcher says start; one that dies
+    before Ready does not hold the others back."""
+    launch = Launch(LaunchOptions(num_workers=3, live=False, start_together=True),
+                    make_plan(3, False), "shared")
+    ready = ('import sys; print(\'{"event": "ready", "index": %d, "pid": 1, "session": %d, '
+             '"cpus": [0], "model": "m"}\', flush=True); ')
+    done = ('line = sys.stdin.readline(); '
+            'print(\'{"event": "done", "index": 0, "seconds": 1, "stats": {"steps": 7}}\' '
+            'if line == "start\\n" else \'{"event": "failed", "index": 0, "message": "no"}\')')
+    scripts = [ready % (0, 1) + done, ready % (1, 2) + "import time; time.sleep(0.3); " + done,
+               "raise SystemExit(3)"]
+    launch.procs = [await asyncio.create_subprocess_exec(
+        sys.executable, "-c", s, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE) for s in scripts]
+    await asyncio.wait_for(asyncio.gather(*(launch.watch(i, p)
+                                            for i, p in enumerate(launch.procs))), 30)
+    assert launch.started_at is not None
+    assert [r.status for r in launch.results] == ["done", "done", "died"]
+    assert [r.stats.steps for r in launch.results[:2]] == [7, 7]

@@ -17,7 +17,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from helpers import kvshm_segments, leftovers
+from helpers import descendants_when, kill_all, kvshm_segments, leftovers
 
 from kvshm.config import preset_config
 from kvshm.service.process import CoordinatorProcess
@@ -372,15 +372,9 @@ def test_ctrl_c_stops_everything(tmp_path):
             line = proc.stdout.readline()
             assert line, f"exited before the header: {proc.wait()} {proc.stderr.read()}"
             header.append(line.strip())
-        me = psutil.Process(proc.pid)
-        deadline = time.monotonic() + 30
-        while True:   # the coordinator and both workers are up
-            children = me.children(recursive=True)
-            cmds = [cmdline(c) for c in children]
-            if sum("workers.worker" in c for c in cmds) == 2 and any(" serve " in c for c in cmds):
-                break
-            assert proc.poll() is None and time.monotonic() < deadline, cmds
-            time.sleep(0.1)
+        children = descendants_when(   # the coordinator and both workers are up
+            proc, lambda cmds: (sum("workers.worker" in c for c in cmds) == 2
+                                and any(" serve " in c for c in cmds)))
         time.sleep(1.5)
         proc.send_signal(signal.SIGINT)
         stdout, stderr = proc.communicate(timeout=20)
@@ -397,23 +391,9 @@ def test_ctrl_c_stops_everything(tmp_path):
         assert {w["pid"] for w in res["workers"]} <= {c.pid for c in children}
         assert not leftovers(before)
     finally:   # only if something above failed: stop what this test started
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        for child in children:
-            try:
-                child.kill()     # psutil checks it is still the same process
-            except psutil.Error:
-                pass
+        kill_all(proc, children)
         proc.stdout.close()
         proc.stderr.close()
-
-
-def cmdline(p: psutil.Process) -> str:
-    try:
-        return " ".join(p.cmdline())
-    except psutil.Error:
-        return ""
 
 
 def test_python_m_workers_help():

@@ -287,10 +287,19 @@ async def test_a_finite_workload_is_served_to_the_end(coordinator, open_worker):
     items = [Item(f"r{i}", toks(40, seed=i), toks(40, seed=50 + i), f"r{i}", 0)
              for i in range(6)]
     a = await open_worker(coord, token_budget=64)
+    sent = []                  # every batch's op count, as the coordinator got them
+    batch = a.client.batch
+
+    async def counted(ops, *args, **kw):
+        sent.append(len(ops))
+        return await batch(ops, *args, **kw)
+
+    a.client.batch = counted
     stats = await a.run(items, deadline=time.monotonic() + RUN_FOR)
     assert_no_mismatch(stats)
     assert (stats.finished, stats.aborted, stats.rejected) == (6, 0, 0)
     assert stats.generated_tokens == 6 * 40
+    assert stats.ops == sum(sent) and len(sent) >= stats.steps   # + preemptions, flush
     assert_pool_whole(coord)
 
 
@@ -422,3 +431,33 @@ async def test_written_blocks_carry_the_writers_session(coordinator, open_worker
     assert set(blocks_a) | set(blocks_b) <= stamped
     assert set(writer[list(stamped)].tolist()) == {a.client.session_id, b.client.session_id}
     assert_pool_whole(coord)
+
+
+async def test_a_load_only_engine_sends_the_same_traffic_without_compute(coordinator,
+                                                                         open_worker):
+    """load_only (the clients of scripts/numa_stress.py): the same batches and
+    writer stamps as a computing engine, and no K/V in the arena."""
+    prefix = toks(3 * BS, seed=21)
+    item_a = Item("a0", prefix + toks(2 * BS, seed=22), toks(BS + 1, seed=23), "a", 0)
+    item_b = Item("b0", prefix + toks(3 * BS, seed=24), toks(BS + 1, seed=25), "b", 0)
+    figures = []
+    for opts in ({}, {"load_only": True, "verify_hits": 0.0, "check_decode": 0.0}):
+        coord = await coordinator(kv_config())
+        a = await open_worker(coord, **opts)
+        b = await open_worker(coord, **opts)
+        await a.run([item_a])
+        await b.run([item_b])
+        assert b.stats.cross_hit_tokens == 3 * BS and a.stats.cross_hit_tokens == 0
+        blocks_b = await cached_prefix_blocks(b.client, item_b.prompt + item_b.output, "p")
+        writer = b.arena.writer
+        assert (writer[blocks_b[:3]] == a.client.session_id).all()
+        assert (writer[blocks_b[3:]] == b.client.session_id).all()
+        figures.append([(w.stats.ops, w.stats.steps, w.stats.generated_tokens,
+                         w.stats.hit_tokens) for w in (a, b)])
+        computed = bool(a.arena.kv[blocks_b].any())
+        assert computed == (not opts)
+        assert (a.stats.attention_s > 0) == (not opts)    # decode attention ran
+        assert_pool_whole(coord)
+    assert figures[0] == figures[1]
+    with pytest.raises(ValueError, match="load_only computes no K/V"):
+        Engine(a.client, a.arena, a.client.config, EngineOptions(load_only=True))

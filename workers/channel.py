@@ -6,7 +6,9 @@ line, a tagged union of `Ready` (pid, pinned CPUs, session), `Progress`
 (every `WorkerSpec.progress` seconds), then `Done` with the full figures or
 `Failed` with a message (the worker then exits 1).  Both ends encode and
 decode with the Structs below, so a field renamed on one side is a decode
-error, not a silently missing figure.
+error, not a silently missing figure.  With `wait_for_start` a worker
+waits, once Ready, for a "start" line on its stdin, so that workers started
+one after another run their workload together.
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True):
     grace: float = 10.0              # then seconds for running ones to finish
     progress: float = 0.5            # seconds between Progress reports
     reconnect_timeout: float = 60.0  # wait this long for a restarted coordinator
+    wait_for_start: bool = False     # after Ready, wait for a "start" line on stdin
 
     def encode(self) -> str:
         return msgspec.json.encode(self).decode()

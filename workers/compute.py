@@ -74,6 +74,10 @@ class ComputeBase:
         if not self.stats.first_error:
             self.stats.first_error = message
 
+    def fingerprint(self) -> str:
+        """The model's fingerprint (every worker of a pool must agree)."""
+        return self.model.fingerprint()
+
 
 class ExactCompute(ComputeBase):
     """The bit-exact model: one layer stack per group."""
@@ -184,8 +188,34 @@ class ExactCompute(ComputeBase):
         return out
 
 
+class LoadOnlyCompute(ComputeBase):
+    """No model (EngineOptions.load_only, for load generators such as
+    scripts/numa_stress.py): the scheduled tokens' blocks get this worker's
+    writer stamp, and hits are counted, but no K/V is computed or checked."""
+
+    model = None
+
+    def run(self, seqs) -> None:
+        writer = self.arena.writer
+        for seq in seqs:
+            start, n = seq.num_computed, seq.scheduled
+            for (g, bs, _) in self.groups:
+                writer[seq.tables[g][start // bs:-(-(start + n) // bs)]] = self.tag
+
+    def started(self, seq) -> None:
+        """Nothing to set up without a model."""
+
+    def admitted(self, seq, num_hit: int) -> None:
+        self.hit_blocks(seq, num_hit)   # counts the cross-worker hits (nothing sampled)
+
+    def fingerprint(self) -> str:
+        return "load-only"
+
+
 def make_compute(name: str, config: PoolConfig, arena, opts, stats, tag: int):
-    """The compute of model `name` (one of MODELS)."""
+    """The compute of model `name` (one of MODELS), or none (opts.load_only)."""
+    if opts.load_only:
+        return LoadOnlyCompute(config, arena, opts, stats, tag)
     if name == "exact":
         return ExactCompute(config, arena, opts, stats, tag)
     if name == "transformer":

@@ -71,6 +71,9 @@ class EngineOptions(msgspec.Struct, frozen=True, kw_only=True):
     seed: int = 0                     # model weights (all workers of a pool must agree)
     sample_seed: int = 0              # which blocks / steps get sampled
     model: str = "exact"              # compute.MODELS: "exact" or "transformer"
+    # A load generator (scripts/numa_stress.py): the scheduler's ops and the
+    # arena's writer stamps, no model compute (no K/V, attention or checks).
+    load_only: bool = False
 
 
 class EngineStats(msgspec.Struct, kw_only=True):
@@ -107,6 +110,7 @@ class EngineStats(msgspec.Struct, kw_only=True):
     recomputed_tokens: int = 0        # computed tokens given up because of restarts
     stalls_ms: list[int] = []         # loss -> resumed, per restart
     ttft_ms: list[int] = []           # per request: arrival -> its first token
+    ops: int = 0                      # operations sent to the coordinator (every batch's)
 
     @property
     def integrity_failures(self) -> int:
@@ -162,6 +166,9 @@ class Engine:
     def __init__(self, client, arena, config: PoolConfig, opts: EngineOptions,
                  stats: EngineStats | None = None) -> None:
         check_supported(config, opts.model)
+        if opts.load_only and (opts.verify_hits or opts.check_decode):
+            raise ValueError("load_only computes no K/V to check: verify_hits and check_decode "
+                             "must be 0")
         self.client = client
         self.arena = arena
         self.config = config
@@ -396,6 +403,7 @@ class Engine:
         """`client.batch(ops)`; None when a coordinator restart lost requests
         (they are requeued by `_requests_lost`).  The client resumes by
         itself, so an ordinary restart is only a delay here."""
+        self.stats.ops += len(ops)
         try:
             return await self.client.batch(ops)
         except (ResumeFailed, ReplyLost) as e:

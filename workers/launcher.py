@@ -152,6 +152,7 @@ class LaunchOptions:
     kill_after: float = 5.0
     kill_coordinator_every: float | None = None   # SIGKILL the coordinator every S s
     reconnect_timeout: float = 60.0       # workers wait this long for a restarted one
+    start_together: bool = False          # workers wait until all are Ready, then start
     live: bool = True                     # progress lines while running
 
 
@@ -173,6 +174,8 @@ class Launch:
         self.config = opts.config
         self.pool_names: list[str] = []      # the joined pool's segment (--connect)
         self.restarts: list[dict] = []       # coordinator restarts by this supervisor
+        self.started_at: float | None = None   # time.time() when start_together let them go
+        self._arrived: set[int] = set()
         self._stopping = False
         self._t0 = 0.0
         self._last_rate = (0.0, 0)   # (elapsed, tokens served) at the last status line
@@ -293,11 +296,26 @@ class Launch:
             socket=self.sockets[i], index=i, num_workers=opts.num_workers, node=node.id,
             cpus=tuple(node.cpus) if opts.pin else (), workload=opts.workload,
             engine=opts.engine, **self._hash(), duration=opts.duration, grace=opts.grace,
-            reconnect_timeout=opts.reconnect_timeout)
+            reconnect_timeout=opts.reconnect_timeout, wait_for_start=opts.start_together)
         args = [sys.executable, "-m", "kvshm.workers.worker", spec.encode()]
         return await asyncio.create_subprocess_exec(
             *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env,
+            stdin=asyncio.subprocess.PIPE if opts.start_together else None,
             start_new_session=True, limit=2**26, preexec_fn=die_with_parent)
+
+    def _arrive(self, i: int) -> None:
+        """With `start_together`: worker i is Ready (or gone); once every
+        worker is, tell them all to start."""
+        if not self.opts.start_together or self.started_at is not None:
+            return
+        self._arrived.add(i)
+        if len(self._arrived) < len(self.procs):
+            return
+        self.started_at = time.time()
+        for proc in self.procs:
+            if proc.returncode is None:
+                proc.stdin.write(b"start\n")
+            proc.stdin.close()
 
     async def watch(self, i: int, proc: asyncio.subprocess.Process) -> None:
         res = self.results[i]
@@ -314,6 +332,7 @@ class Launch:
                 continue
             if isinstance(report, Ready):
                 res.session, res.affinity = report.session, report.cpus
+                self._arrive(i)
             elif isinstance(report, Progress):
                 res.stats = report.stats
             elif isinstance(report, Done):
@@ -321,6 +340,7 @@ class Launch:
             elif isinstance(report, Failed):
                 res.status, res.message = "error", report.message
         code = await proc.wait()
+        self._arrive(i)   # one that died before Ready must not hold the others back
         after = f" {time.monotonic() - self._t0:.1f}s into the run" if self._t0 else ""
         err = (await stderr_task).decode(errors="replace").strip()
         if res.status == "running":

@@ -33,6 +33,14 @@ def workload_items(workload: WorkloadSpec, index: int, num_workers: int):
     return assign(items, index, num_workers, workload.assign)
 
 
+async def wait_for_start() -> None:
+    """Wait for the launcher's "start" line on stdin (every worker is Ready);
+    raises RuntimeError if stdin ends first."""
+    line = await asyncio.to_thread(sys.stdin.readline)
+    if line.strip() != "start":
+        raise RuntimeError("stdin closed before the launcher said start")
+
+
 async def serve_worker(spec: WorkerSpec) -> int:
     from kvshm.service.client import connect
     from kvshm.service.resume import Reconnect
@@ -48,8 +56,10 @@ async def serve_worker(spec: WorkerSpec) -> int:
         engine = Engine(client, arena, client.config, spec.engine, stats)
         emit(Ready(spec.index, pid=os.getpid(), session=client.session_id,
                    cpus=tuple(sorted(os.sched_getaffinity(0))),
-                   model=engine.model.fingerprint()))
+                   model=engine.compute.fingerprint()))
         items = workload_items(spec.workload, spec.index, spec.num_workers)
+        if spec.wait_for_start:
+            await wait_for_start()
         t0 = time.monotonic()
         last = [t0]
 

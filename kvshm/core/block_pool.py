@@ -21,6 +21,8 @@ from collections.abc import Iterable, Sequence
 from kvshm.core.errors import InvalidArgument, NoFreeBlocks
 from kvshm.core.hashing import HASH_SLOT_BYTES, digest_size
 from kvshm.core.segment import (
+    ALLOCATED_WORD,
+    EVICTED_WORD,
     FLAG_CACHED,
     FLAG_NULL,
     FLAG_SINK,
@@ -187,6 +189,7 @@ class BlockPool:
         if num_blocks > self.num_free_blocks:
             raise NoFreeBlocks(num_blocks, self.num_free_blocks)
         out = self._popleft_n(num_blocks)
+        self._words[ALLOCATED_WORD] += num_blocks
         ref, flags = self.ref_cnt, self._flags
         for b in out:
             if flags[b]:
@@ -272,6 +275,7 @@ class BlockPool:
                 m[key] = cur if len(cur) > 1 else next(iter(cur))
         self._flags[b] = 0
         self.num_cached_blocks -= 1
+        self._words[EVICTED_WORD] += 1
 
     def evict_blocks(self, block_ids: Iterable[int]) -> None:
         """Remove each listed block from the prefix cache if it is cached; the

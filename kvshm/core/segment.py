@@ -104,6 +104,12 @@ HEADER_FIELDS = {
     "undo_len": (168, "Q"),
     "frame_cache_stamp": (176, "Q"),
     "started_ns": (184, "Q"),
+    # Pool churn since the pool was created (BlockPool): blocks handed out by
+    # allocations, and cached blocks whose hash was dropped (evicted to reuse
+    # the block, or by evict_blocks).  Not journaled: a frame a crash cut
+    # off and repair rolled back stays counted.
+    "blocks_allocated": (192, "Q"),
+    "blocks_evicted": (200, "Q"),
 }
 _HEADER_FIXED = 256
 COUNTER_FIELDS = ("num_free_blocks", "queries", "hits", "query_tokens", "hit_tokens",
@@ -116,6 +122,8 @@ NUM_REQUESTS_WORD = FREE_WORD + 5
 SEQ_WORD = HEADER_FIELDS["mutation_seq"][0] // 8
 UNDO_LEN_WORD = HEADER_FIELDS["undo_len"][0] // 8
 FRAME_CACHE_STAMP_WORD = HEADER_FIELDS["frame_cache_stamp"][0] // 8
+ALLOCATED_WORD = HEADER_FIELDS["blocks_allocated"][0] // 8
+EVICTED_WORD = HEADER_FIELDS["blocks_evicted"][0] // 8
 
 # Session records of the coordinator (kvshm/service/sessions.py gives the
 # words their meaning); each has room for its last two frame replies.

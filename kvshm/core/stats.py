@@ -14,10 +14,13 @@ from kvshm.core.segment import (
 )
 from kvshm.core.table import NO_ENTRY
 
+_CHURN_FIELDS = ("blocks_allocated", "blocks_evicted")
+
 
 def read_stats(seg: PoolSegment, timeout: float = 1.0) -> dict:
     """Blocks total/free/cached/used, usage, requests and blocks per owning
-    session, prefix-cache lookups and hits, coordinator pid, liveness,
+    session, prefix-cache lookups and hits, blocks allocated and evicted
+    since the pool was created, coordinator pid, liveness,
     uptime (None when the coordinator is not alive).  Retries until it
     copies a state no mutation overlapped; after `timeout` seconds it
     reports what it saw, with "consistent": False."""
@@ -26,7 +29,7 @@ def read_stats(seg: PoolSegment, timeout: float = 1.0) -> dict:
     widths = seg.layout.widths
 
     def read():
-        counters = {f: seg.get(f) for f in COUNTER_FIELDS}
+        counters = {f: seg.get(f) for f in COUNTER_FIELDS + _CHURN_FIELDS}
         cached = bytes(seg.flags).count(FLAG_CACHED)
         sessions: dict[int, dict] = defaultdict(lambda: {"requests": 0, "blocks": 0})
         meta, counts = seg.slot_meta, seg.slot_counts
@@ -60,6 +63,8 @@ def read_stats(seg: PoolSegment, timeout: float = 1.0) -> dict:
         "hits": counters["hits"],
         "query_tokens": counters["query_tokens"],
         "hit_tokens": counters["hit_tokens"],
+        "blocks_allocated": counters["blocks_allocated"],
+        "blocks_evicted": counters["blocks_evicted"],
         "coordinator_pid": info["pid"],
         "coordinator_alive": info["alive"],
         # A dead coordinator has no uptime: the clock would tick on regardless.
