@@ -26,7 +26,9 @@ VLLM_DIST=${KVSHM_VLLM_DIST:-$(pick_dist)}
 VLLM_VERSION=0.14.0
 TORCH_VERSION=2.9.1
 KVSHM_VENV=${KVSHM_VLLM_VENV:-$REPO/.venv-vllm}
-KVSHM_EXTRAS=${KVSHM_VLLM_EXTRAS:-test}
+# Engines need kvshm and ml_dtypes (bfloat16 arenas), not the test tools:
+# pytest runs in .venv.
+KVSHM_EXTRAS=${KVSHM_VLLM_EXTRAS:-bf16}
 source "$REPO/scripts/_venv.sh"
 
 stamp="$VENV/.vllm-installed"

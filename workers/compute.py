@@ -74,6 +74,12 @@ class ComputeBase:
         if not self.stats.first_error:
             self.stats.first_error = message
 
+    def bad_hits(self, seq, block_ids: list[int], how: str) -> None:
+        """Count hit blocks whose K/V are wrong, and describe the first case."""
+        self.stats.hit_mismatches += len(block_ids)
+        self.error(f"{seq.rid}: {len(block_ids)} prefix-cache hit block(s) {how} (block ids "
+                   f"{block_ids[:8]})")
+
     def fingerprint(self) -> str:
         """The model's fingerprint (every worker of a pool must agree)."""
         return self.model.fingerprint()
@@ -160,10 +166,7 @@ class ExactCompute(ComputeBase):
                 if mismatching_blocks(view, [table[i]], bs, k[layers], v[layers]):
                     bad.append(i)
             if bad:
-                st.hit_mismatches += len(bad)
-                self.error(f"{seq.rid}: {len(bad)} prefix-cache hit block(s) hold the "
-                            f"wrong K/V (group {g}, block ids "
-                            f"{[table[i] for i in bad][:8]})")
+                self.bad_hits(seq, [table[i] for i in bad], f"hold the wrong K/V (group {g})")
         st.check_s += time.thread_time() - t0
 
     def _expected_kv(self, tokens: list[int], checks) -> dict:

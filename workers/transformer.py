@@ -255,10 +255,8 @@ class TransformerCompute(ComputeBase):
             bad = mismatching_blocks_within(self.view, ids, bs, want_k, want_v)
             st.hit_blocks_checked += len(idx)
             if bad:
-                st.hit_mismatches += len(bad)
-                self.error(f"{seq.rid}: {len(bad)} prefix-cache hit block(s) differ from a "
-                           f"recompute by more than {TOLERANCE:g} of their scale (block ids "
-                           f"{[ids[i] for i in bad][:8]})")
+                self.bad_hits(seq, [ids[i] for i in bad], f"differ from a recompute by "
+                              f"more than {TOLERANCE:g} of their scale")
         st.check_s += time.thread_time() - t0
 
     def _all_hit_blocks(self, seq, num_hit: int, count_only: bool) -> list[int]:
