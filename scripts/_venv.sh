@@ -3,7 +3,9 @@
 # into it, with the extras named in $KVSHM_EXTRAS.  Re-installs only when
 # pyproject.toml or the extras change.
 set -euo pipefail
-REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+# -P: the real repository, also when scripts/ is reached through a symlink
+# (the README test runs it so, and an editable install must not point there).
+REPO=$(cd -P "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 VENV=${KVSHM_VENV:-$REPO/.venv}
 EXTRAS=${KVSHM_EXTRAS:-}
 

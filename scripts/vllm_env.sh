@@ -12,7 +12,7 @@
 # none of the last two).  About 4 minutes and 8 GB the first time; a second
 # run only checks the stamp.
 set -euo pipefail
-REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+REPO=$(cd -P "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 pick_dist() {
   local flags
   flags=$(grep -m1 -E '^(flags|Features)' /proc/cpuinfo 2>/dev/null || true)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from kvshm.workers.attention import write_kv
 from kvshm.workers.transformer import TOLERANCE, TransformerModel, mismatching_blocks_within
 
 
@@ -54,6 +55,59 @@ def test_a_batch_agrees_with_its_segments():
     assert rel_err(k1, ka) < 1e-5
     _, _, hb_all = m.forward(b, 0)
     assert rel_err(h2, hb_all[20:]) < TOLERANCE / 10
+
+
+def paged(m, seqs, block_size=4, num_blocks=64, seed=0):
+    """An arena holding each sequence's K/V in shuffled blocks (the rest
+    random), and the block tables."""
+    rng = np.random.default_rng(seed)
+    view = rng.standard_normal((num_blocks, m.num_layers, 2, block_size, m.num_kv_heads,
+                                m.head_size)).astype(m.dtype)
+    free = list(rng.permutation(np.arange(1, num_blocks)))
+    tables = []
+    for toks in seqs:
+        table = [int(free.pop()) for _ in range(-(-len(toks) // block_size))]
+        if toks:
+            k, v, _ = m.forward(toks, 0)
+            write_kv(view, table, block_size, 0, k, v)
+        tables.append(table)
+    return view, tables
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_paged_decode_agrees_with_a_contiguous_forward(dtype):
+    m = model(dtype)
+    # Contexts of several lengths (partial last blocks, one of none at all),
+    # each request's next token at its position.
+    seqs = [list(range(s, s + n)) for s, n in ((10, 37), (300, 4), (50, 0), (7, 21), (900, 1))]
+    view, tables = paged(m, seqs)
+    nxt = [3, 4, 5, 6, 7]
+    k, v, h = m.decode(nxt, [len(t) for t in seqs], view, tables)
+    assert k.shape == v.shape == (2, 5, 2, 16) and k.dtype == m.dtype and h.shape == (5, m.hidden)
+    for i, toks in enumerate(seqs):
+        k_ref, v_ref, h_ref = m.forward(toks + [nxt[i]], 0)
+        assert rel_err(k[:, i], k_ref[:, -1]) < TOLERANCE / 10
+        assert rel_err(v[:, i], v_ref[:, -1]) < TOLERANCE / 10
+        assert rel_err(h[i], h_ref[-1]) < TOLERANCE / 10
+    # The context is read from the blocks: another block's bytes change it.
+    other = view.copy()
+    other[tables[0][0]] = other[tables[3][0]]
+    _, _, h_other = m.decode(nxt, [len(t) for t in seqs], other, tables)
+    assert rel_err(h_other[0], h[0]) > TOLERANCE and np.array_equal(h_other[1:], h[1:])
+
+
+def test_paged_decode_refuses_what_does_not_fit():
+    m = model()
+    view, tables = paged(m, [list(range(9))])
+    with pytest.raises(ValueError, match="3 blocks hold fewer than its 13 tokens"):
+        m.decode([1], [13], view, tables)
+    with pytest.raises(ValueError, match="one of each per request"):
+        m.decode([1, 2], [9], view, tables)
+    with pytest.raises(ValueError, match="position must be"):
+        m.decode([1], [-1], view, tables)
+    with pytest.raises(ValueError, match="arena view must be"):
+        m.decode([1], [9], view[:, :1], tables)
+    assert m.decode([], [], view, [])[2].shape == (0, m.hidden)
 
 
 def test_tokens_attend_causally():

@@ -141,6 +141,69 @@ class TransformerModel:
             x = x + (gate / (1 + np.exp(-gate)) * up) @ self.w_down[layer]
         return [(ks[:, lo:hi], vs[:, lo:hi], x[lo:hi]) for lo, hi in spans]
 
+    def decode(self, tokens, positions, view: np.ndarray, tables):
+        """One new token per request, as an engine's decode step runs them:
+        `tokens[i]` at position `positions[i]`, attending to itself and to the
+        `positions[i]` earlier tokens, whose K/V are read from the request's
+        blocks (`tables[i]`) of the arena `view` ([num_blocks, L, 2,
+        block_size, H, D]) layer by layer, where a paged-attention kernel
+        reads them, never gathered into a contiguous copy of the whole
+        context first.  Every projection and the MLP see the whole batch in
+        one matrix product.  Returns (k, v, hidden): k and v [L, B, H, D] in
+        the model's dtype (the new tokens'), hidden [B, hidden] float32;
+        equal to `forward` of each token within float32 rounding."""
+        L, Hq, Hkv, D = self.num_layers, self.num_q_heads, self.num_kv_heads, self.head_size
+        g = Hq // Hkv
+        bs = view.shape[3]
+        if view.ndim != 6 or view.shape[1:3] != (L, 2) or view.shape[4:] != (Hkv, D):
+            raise ValueError(f"the arena view must be [num_blocks, {L}, 2, block_size, {Hkv}, "
+                             f"{D}], got {view.shape}")
+        lengths = [nonneg_int(pos, "position") for pos in positions]
+        B = len(lengths)
+        if len(tokens) != B or len(tables) != B:
+            raise ValueError(f"{len(tokens)} tokens, {B} positions and {len(tables)} block "
+                             "tables: one of each per request")
+        ids = []
+        for i, (n, table) in enumerate(zip(lengths, tables)):
+            used = -(-n // bs)
+            if len(table) < used:
+                raise ValueError(f"request {i}: {len(table)} blocks hold fewer than its "
+                                 f"{n} tokens")
+            ids.append(np.asarray(table[:used], dtype=np.intp))
+        angles = np.asarray(lengths, dtype=np.float32)[:, None] * self.inv_freq
+        cos, sin = np.cos(angles)[:, None, :], np.sin(angles)[:, None, :]
+        x = self.embed[np.asarray(tokens, dtype=np.int64) % self.vocab]
+        ks = np.empty((L, B, Hkv, D), dtype=self.dtype)
+        vs = np.empty_like(ks)
+        out = np.empty((B, Hkv, g, D), dtype=np.float32)
+        scale = np.float32(1 / np.sqrt(D))
+        for layer in range(L):
+            qkv = _rms(x) @ self.w_qkv[layer]
+            q = _rotate(qkv[:, :Hq * D].reshape(B, Hq, D), cos, sin).reshape(B, Hkv, g, D)
+            q *= scale
+            ks[layer] = _rotate(qkv[:, Hq * D:(Hq + Hkv) * D].reshape(B, Hkv, D), cos, sin)
+            vs[layer] = qkv[:, (Hq + Hkv) * D:].reshape(B, Hkv, D)
+            k_new = ks[layer].astype(np.float32, copy=False)
+            v_new = vs[layer].astype(np.float32, copy=False)
+            own = np.einsum("bhgd,bhd->bhg", q, k_new)                  # [B, Hkv, g]
+            for i, (n, blocks) in enumerate(zip(lengths, ids)):
+                # One gather (in C) of this layer's K, one of its V.
+                keys = view[blocks, layer, 0].reshape(-1, Hkv, D)[:n]
+                values = view[blocks, layer, 1].reshape(-1, Hkv, D)[:n]
+                if keys.dtype != np.float32:
+                    keys, values = keys.astype(np.float32), values.astype(np.float32)
+                scores = q[i] @ keys.transpose(1, 2, 0)                  # [Hkv, g, n]
+                top = np.maximum(scores.max(axis=-1, initial=-np.inf), own[i])
+                np.exp(scores - top[..., None], out=scores)
+                w_own = np.exp(own[i] - top)
+                mixed = scores @ values.transpose(1, 0, 2)               # [Hkv, g, D]
+                mixed += w_own[..., None] * v_new[i][:, None, :]
+                out[i] = mixed / (scores.sum(axis=-1) + w_own)[..., None]
+            x = x + out.reshape(B, Hq * D) @ self.w_o[layer]
+            gate, up = np.split(_rms(x) @ self.w_gate_up[layer], 2, axis=1)
+            x = x + (gate / (1 + np.exp(-gate)) * up) @ self.w_down[layer]
+        return ks, vs, x
+
 
 def _attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, start: int) -> np.ndarray:
     """Causal grouped-query attention: q [n, Hq, D] (positions start..) over
@@ -189,8 +252,9 @@ def _rotate(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
 
 class TransformerCompute(ComputeBase):
     """The transformer on the arena (one full-attention group): a step's
-    prefill chunks run as one batch and its decode tokens as another, each
-    over the K/V gathered from the request's blocks.  `verify_hits` is the
+    prefill chunks run as one batch (over the K/V gathered from each
+    request's blocks) and its decode tokens as another, which reads the
+    context from the blocks layer by layer (`TransformerModel.decode`).  `verify_hits` is the
     fraction of admitted requests whose hit blocks are all recomputed and
     compared within TOLERANCE (a recompute costs a prefill of the prefix);
     `check_decode` the fraction of decode tokens whose hidden state is
@@ -209,22 +273,25 @@ class TransformerCompute(ComputeBase):
         st = self.stats
         decode = [s for s in seqs if s.scheduled == 1 and s.num_computed >= s.prompt_len]
         prefill = [s for s in seqs if not (s.scheduled == 1 and s.num_computed >= s.prompt_len)]
-        for batch, is_decode in ((prefill, False), (decode, True)):
-            if not batch:
-                continue
+        if prefill:
             t0 = time.thread_time()
-            segments = [self._segment(seq) for seq in batch]
-            outs = self.model.forward_batch(segments)
-            for seq, (k, v, _) in zip(batch, outs):
+            outs = self.model.forward_batch([self._segment(seq) for seq in prefill])
+            for seq, (k, v, _) in zip(prefill, outs):
                 self.write(seq, seq.num_computed, k, v)
-            spent = time.thread_time() - t0
-            if is_decode:
-                st.attention_s += spent
-                for seq, (_, _, hidden) in zip(batch, outs):
-                    if self.rng.random() < self.opts.check_decode:
-                        self._check_decode(seq, hidden[-1])
-            else:
-                st.kv_s += spent
+            st.kv_s += time.thread_time() - t0
+        if decode:
+            t0 = time.thread_time()
+            positions = [seq.num_computed for seq in decode]
+            k, v, hidden = self.model.decode([seq.tokens[pos] for seq, pos in
+                                              zip(decode, positions)],
+                                             positions, self.view,
+                                             [seq.tables[0] for seq in decode])
+            for i, seq in enumerate(decode):
+                self.write(seq, positions[i], k[:, i:i + 1], v[:, i:i + 1])
+            st.attention_s += time.thread_time() - t0
+            for i, seq in enumerate(decode):
+                if self.rng.random() < self.opts.check_decode:
+                    self._check_decode(seq, hidden[i])
 
     def _segment(self, seq):
         start = seq.num_computed
