@@ -223,7 +223,30 @@ def test_assign_partitions_the_stream(stream, how, num_workers):
 
 
 def test_round_robin_takes_every_nth(stream):
-    assert list(assign(stream, 1, 3)) == stream[1::3]
+    assert [it.rid for it in assign(stream, 1, 3)] == [it.rid for it in stream[1::3]]
+
+
+@pytest.mark.parametrize("how", ["round-robin", "hash"])
+def test_assign_names_the_worker_of_each_previous_turn(stream, how):
+    """key: the conversation's number by first appearance (the same in every
+    worker's share); after: the worker that serves the turn before."""
+    served = {}
+    for w in range(3):
+        for it in assign(stream, w, 3, how):
+            served[it.rid] = (w, it)
+    keys = {}
+    for it in stream:
+        keys.setdefault(it.conversation, len(keys))
+    for rid, (w, it) in served.items():
+        assert it.key == keys[it.conversation]
+        if it.turn == 0:
+            assert it.after == -1
+        else:
+            prev_w, _ = served[f"{it.conversation}-t{it.turn - 1}"]
+            assert it.after == prev_w
+            if how == "hash":
+                assert prev_w == w
+    assert any(it.after not in (-1, w) for w, it in served.values()) == (how == "round-robin")
 
 
 def test_hash_keeps_conversations_together(stream):

@@ -79,14 +79,15 @@ async def open_worker(coordinator):
     (before the coordinators stop)."""
     opened: list[Worker] = []
 
-    async def make(coord, **opts) -> Worker:
+    async def make(coord, turns=None, index=None, **opts) -> Worker:
         client = await connect(coord.socket_path)
         try:
             arena = client.attach_arena()
         except BaseException:
             await client.close()
             raise
-        w = Worker(client, arena, Engine(client, arena, client.config, EngineOptions(**opts)))
+        w = Worker(client, arena, Engine(client, arena, client.config, EngineOptions(**opts),
+                                         turns=turns, worker=index))
         opened.append(w)
         return w
 
@@ -142,6 +143,60 @@ async def test_two_engines_share_one_pool_without_mismatches(coordinator, open_w
     assert a.stats.decode_checks + b.stats.decode_checks > 0
     assert a.stats.cross_hit_tokens + b.stats.cross_hit_tokens > 0
     assert_pool_whole(coord)   # checked while both sessions still live
+
+
+def history_blocks(items) -> int:
+    """Full blocks of the history every follow-up turn repeats: its previous
+    turn's prompt and output but the last output token (sampled, never run)."""
+    last: dict[str, Item] = {}
+    total = 0
+    for it in items:
+        prev = last.get(it.conversation)
+        if prev is not None:
+            total += (len(prev.prompt) + len(prev.output) - 1) // BS
+        last[it.conversation] = it
+    return total
+
+
+@pytest.mark.parametrize("board", ["shared", "none"])
+async def test_a_follow_up_turn_arrives_after_the_answer_it_continues(coordinator, open_worker,
+                                                                      board):
+    """With the run's TurnBoard a follow-up turn waits for its previous turn,
+    served by the other engine, to be over: then it hits all the history in
+    the pool.  Without one, turns run together and many histories are not
+    computed yet when their follow-up is admitted."""
+    from kvshm.workers.turns import TurnBoard
+    coord = await coordinator(kv_config(num_blocks=1024))
+    spec = SyntheticSpec(seed=5, num_system_prompts=0, share_system=0.0, user_len=(16, 64),
+                         user_median=32.0, output_len=(8, 32), output_median=16.0,
+                         mean_turns=4.0, max_turns=6, max_len=2048, open_conversations=4)
+    items = list(itertools.islice(synthetic(spec), 40))
+    with TurnBoard.create() as turns:
+        workers = [await open_worker(coord, max_running=8, check_decode=0.0,
+                                     turns=turns if board == "shared" else None, index=i)
+                   for i in range(2)]
+        await asyncio.gather(*(w.run(assign(items, i, 2)) for i, w in enumerate(workers)))
+    assert_no_mismatch(*(w.stats for w in workers))
+    assert sum(w.stats.finished for w in workers) == 40
+    hit_blocks = sum(w.stats.hit_tokens for w in workers) // BS
+    if board == "shared":
+        assert hit_blocks >= history_blocks(items)
+        assert sum(w.stats.cross_hit_tokens for w in workers) > 0
+    else:
+        assert hit_blocks < 0.9 * history_blocks(items)
+    assert_pool_whole(coord)
+
+
+async def test_a_turn_after_a_dead_worker_s_does_not_wait():
+    from kvshm.workers.turns import TurnBoard
+    with TurnBoard.create() as turns:
+        other = TurnBoard.attach(turns.name)
+        assert turns.ready(7, 0, -1) and not turns.ready(7, 1, 0)
+        other.done(7, 0)
+        assert turns.ready(7, 1, 0) and not turns.ready(7, 2, 1)
+        turns.mark_dead(1)
+        assert other.ready(7, 2, 1) and not other.ready(8, 2, 0)
+        other.close()
 
 
 async def test_many_concurrent_requests_per_engine(coordinator, open_worker):

@@ -57,6 +57,7 @@ class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True):
     progress: float = 0.5            # seconds between Progress reports
     reconnect_timeout: float = 60.0  # wait this long for a restarted coordinator
     wait_for_start: bool = False     # after Ready, wait for a "start" line on stdin
+    turns: str = ""                  # the run's TurnBoard (workers/turns.py); "": none
 
     def encode(self) -> str:
         return msgspec.json.encode(self).decode()

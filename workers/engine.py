@@ -13,6 +13,11 @@ Blocks are cached only after their K/V are in the arena (allocations use
 `delay_cache_blocks`, and the next step's batch caches what was computed),
 so another worker can never hit a block whose bytes are not written yet.
 
+A conversation's next turn arrives only once its previous turn is over
+(workers/turns.py: the run's TurnBoard, across workers), as a user sends
+a follow-up after reading the answer; until then it waits in `pending`,
+and its time to first token counts from its arrival.
+
 `kvshm demo` and the service benchmark schedule with kvshm/workload.py
 instead, a compute-free, seed-only scheduler with the same policies: its
 docstring says why the two are kept apart; change both together.
@@ -32,6 +37,7 @@ from kvshm.service import protocol as p
 from kvshm.service.errors import ReplyLost, ResumeFailed
 from kvshm.workers.compute import MODELS, make_compute
 from kvshm.workers.traffic import Item
+from kvshm.workers.turns import LocalTurns
 
 SUPPORTED_SPECS = (FullSpec, MLASpec, SlidingWindowSpec)
 
@@ -164,7 +170,8 @@ class Engine:
     dropped)."""
 
     def __init__(self, client, arena, config: PoolConfig, opts: EngineOptions,
-                 stats: EngineStats | None = None) -> None:
+                 stats: EngineStats | None = None, turns=None,
+                 worker: int | None = None) -> None:
         check_supported(config, opts.model)
         if opts.load_only and (opts.verify_hits or opts.check_decode):
             raise ValueError("load_only computes no K/V to check: verify_hits and check_decode "
@@ -179,9 +186,15 @@ class Engine:
         self.compute = make_compute(opts.model, config, arena, opts, self.stats,
                                     tag=client.session_id)
         self.model = self.compute.model
-        self.waiting: deque[Seq] = deque()
+        # When a follow-up turn may arrive (workers/turns.py): the run's
+        # TurnBoard, or a board of this worker's own turns (with `worker`,
+        # its index; None: every turn arrives at once).
+        self.turns = turns if turns is not None else LocalTurns(worker)
+        self.pending: list[Seq] = []         # turns whose previous turn is not done yet
+        self.waiting: deque[Seq] = deque()   # arrived, not admitted
         self.running: list[Seq] = []
         self.finishing: list[Seq] = []       # freed in the next batch (after caching)
+        self.released: list[Seq] = []        # freed by the batch being sent
         self.num_free_blocks = config.num_blocks - 1
 
     # -- the loop ------------------------------------------------------------------------------
@@ -193,7 +206,6 @@ class Engine:
         restarts took), where the rest are aborted (freed).
         `on_step(stats)` after every step."""
         source = iter(items)
-        exhausted = False
         while True:
             # Time the coordinator was away (restarting) does not count
             # against the running requests' grace.
@@ -202,24 +214,18 @@ class Engine:
                 await self._abort_all()
                 break
             past = time.monotonic() >= deadline
-            open_for_new = not exhausted and not past
-            # Keep enough arrivals queued to fill a step.
-            while open_for_new and len(self.waiting) < self.opts.max_running:
-                item = next(source, None)
-                if item is None:
-                    exhausted = True
-                    break
-                if self._fits(item):
-                    self.waiting.append(Seq(item))
-                else:
-                    self.stats.rejected += 1
-            if past and self.waiting:
+            if not past:
+                self._arrivals(source)
+            elif self.waiting or self.pending:
                 self.stats.aborted += sum(1 for s in self.waiting if s.added)
                 # Waiting requests that were never admitted are dropped; any that
                 # were preempted still own a coordinator entry: forget it.
                 await self._forget([s for s in self.waiting if s.added])
+                self._over(list(self.waiting) + self.pending)
                 self.waiting.clear()
-            if not self.running and not self.waiting and not self.finishing:
+                self.pending.clear()
+            # (_arrivals pulls until the queue is full or the source is dry.)
+            if not (self.running or self.waiting or self.finishing or self.pending):
                 break
             if not await self.step():
                 # Nothing could run (every block is held by other workers):
@@ -229,6 +235,41 @@ class Engine:
                 on_step(self.stats)
         await self._flush()
         return self.stats
+
+    def _arrivals(self, source) -> None:
+        """Queue the requests that have arrived: pending turns whose previous
+        turn is now done, then new items from `source` (a turn that must
+        wait goes to `pending`), until enough are queued to fill a step."""
+        turns = self.turns
+        if self.pending:
+            now = time.monotonic()
+            still = []
+            for seq in self.pending:
+                it = seq.item
+                if turns.ready(it.key, it.turn, it.after):
+                    seq.arrived = now          # TTFT counts from here
+                    self.waiting.append(seq)
+                else:
+                    still.append(seq)
+            self.pending = still
+        cap = self.opts.max_running
+        while len(self.waiting) < cap and len(self.pending) < 4 * cap:
+            item = next(source, None)
+            if item is None:
+                return
+            if not self._fits(item):
+                self.stats.rejected += 1
+                turns.done(item.key, item.turn)
+            elif turns.ready(item.key, item.turn, item.after):
+                self.waiting.append(Seq(item))
+            else:
+                self.pending.append(Seq(item))
+
+    def _over(self, seqs) -> None:
+        """These requests are over (finished, aborted or dropped): their
+        conversations' next turns may come."""
+        for seq in seqs:
+            self.turns.done(seq.item.key, seq.item.turn)
 
     def _fits(self, item: Item) -> bool:
         """Whether the request can ever be served: its whole length must fit
@@ -244,6 +285,7 @@ class Engine:
         st = self.stats
         st.steps += 1
         ops = self._bookkeeping()
+        released = self.released
         budget = self.opts.token_budget
         allocs: list[tuple[Seq, int]] = []      # (request, index of its op)
         for seq in self.running:
@@ -258,6 +300,7 @@ class Engine:
         admits = self._admissions(ops, budget, [s for s, _ in allocs])
         t0 = time.perf_counter()
         results = await self._batch(ops)
+        self._over(released)     # cached and freed (or lost with a restart: over too)
         if results is None:
             return True
         rtt = time.perf_counter() - t0
@@ -290,7 +333,8 @@ class Engine:
             ops.append(p.CacheBlocks(seq.rid, seq.num_computed))
             seq.to_advance, seq.append = False, []
         ops += [p.Free(seq.rid) for seq in self.finishing]
-        self.finishing.clear()
+        self.released = self.finishing   # over once these ops are sent
+        self.finishing = []
         return ops
 
     def _admissions(self, ops: list, budget: int, allocs: list[Seq]) -> list[tuple[Seq, int]]:
@@ -384,9 +428,11 @@ class Engine:
         live = self.running + [s for s in self.waiting if s.added]
         ops += [p.Free(s.rid) for s in live]
         self.stats.aborted += len(live)
-        self.running, self.waiting = [], deque()
+        over = self.released + self.running + list(self.waiting) + self.pending
+        self.running, self.waiting, self.pending = [], deque(), []
         if ops:
             await self._batch(ops)
+        self._over(over)
 
     async def _forget(self, seqs: list[Seq]) -> None:
         if seqs:
@@ -397,6 +443,7 @@ class Engine:
         ops = self._bookkeeping()
         if ops:
             await self._batch(ops)
+        self._over(self.released)
 
     # -- coordinator restarts ----------------------------------------------------------------------
     async def _batch(self, ops: list) -> list | None:

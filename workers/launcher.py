@@ -34,6 +34,7 @@ from kvshm.workers.channel import (
     read_report,
 )
 from kvshm.workers.engine import EngineOptions, EngineStats
+from kvshm.workers.turns import TurnBoard
 from kvshm.workers.topology import (
     Node,
     Plan,
@@ -176,6 +177,8 @@ class Launch:
         self.restarts: list[dict] = []       # coordinator restarts by this supervisor
         self.started_at: float | None = None   # time.time() when start_together let them go
         self._arrived: set[int] = set()
+        self.turns: TurnBoard | None = None   # when follow-up turns may arrive
+        self._attached: set[int] = set()      # workers Ready (or gone): on the board
         self._stopping = False
         self._t0 = 0.0
         self._last_rate = (0.0, 0)   # (elapsed, tokens served) at the last status line
@@ -296,7 +299,8 @@ class Launch:
             socket=self.sockets[i], index=i, num_workers=opts.num_workers, node=node.id,
             cpus=tuple(node.cpus) if opts.pin else (), workload=opts.workload,
             engine=opts.engine, **self._hash(), duration=opts.duration, grace=opts.grace,
-            reconnect_timeout=opts.reconnect_timeout, wait_for_start=opts.start_together)
+            reconnect_timeout=opts.reconnect_timeout, wait_for_start=opts.start_together,
+            turns=self.turns.name if self.turns is not None else "")
         args = [sys.executable, "-m", "kvshm.workers.worker", spec.encode()]
         return await asyncio.create_subprocess_exec(
             *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env,
@@ -317,6 +321,13 @@ class Launch:
                 proc.stdin.write(b"start\n")
             proc.stdin.close()
 
+    def _on_board(self, i: int) -> None:
+        """Worker i has attached the turn board (it is Ready) or is gone;
+        once all have, the name goes (the mappings stay)."""
+        self._attached.add(i)
+        if self.turns is not None and len(self._attached) == len(self.procs):
+            self.turns.unlink()
+
     async def watch(self, i: int, proc: asyncio.subprocess.Process) -> None:
         res = self.results[i]
         res.pid = proc.pid
@@ -332,6 +343,7 @@ class Launch:
                 continue
             if isinstance(report, Ready):
                 res.session, res.affinity = report.session, report.cpus
+                self._on_board(i)
                 self._arrive(i)
             elif isinstance(report, Progress):
                 res.stats = report.stats
@@ -341,6 +353,9 @@ class Launch:
                 res.status, res.message = "error", report.message
         code = await proc.wait()
         self._arrive(i)   # one that died before Ready must not hold the others back
+        self._on_board(i)
+        if self.turns is not None and not self.interrupted.is_set():
+            self.turns.mark_dead(i)   # (or done): turns after its own need not wait
         after = f" {time.monotonic() - self._t0:.1f}s into the run" if self._t0 else ""
         err = (await stderr_task).decode(errors="replace").strip()
         if res.status == "running":
@@ -363,6 +378,7 @@ class Launch:
         t0 = self._t0 = time.monotonic()
         extras: list[asyncio.Future] = []
         try:
+            self.turns = TurnBoard.create()
             # From this thread: children die with the thread that started them.
             self.start_coordinators()
             if self.config is None:   # joined a coordinator: learn its pool
@@ -398,6 +414,8 @@ class Launch:
             loop.remove_signal_handler(signal.SIGINT)
             loop.remove_signal_handler(signal.SIGTERM)
             await asyncio.to_thread(self.stop_coordinators)
+            if self.turns is not None:
+                self.turns.close()
         if self.opts.live:
             self.out.write("\n" if self.out.isatty() else "")
         self._sample(time.monotonic() - t0)

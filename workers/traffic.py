@@ -15,9 +15,12 @@ import hashlib
 import json
 import math
 import random
+from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+from kvshm.workers.turns import SLOTS
 
 
 @dataclass(frozen=True)
@@ -34,6 +37,11 @@ class Item:
     output: tuple[int, ...]
     conversation: str
     turn: int
+    # Set by `assign` (workers/turns.py): the conversation's number in order
+    # of first appearance, and the worker serving its previous turn (-1:
+    # none), whose answer this turn waits for.
+    key: int = -1
+    after: int = -1
 
 
 @dataclass(frozen=True)
@@ -361,8 +369,10 @@ def assign(items: Iterable[Item], worker: int, num_workers: int,
             "hash" (a stable hash of the conversation id mod num_workers, so
             a conversation stays on one worker).
     Returns:
-        An iterator over this worker's items, in stream order.  Over all
-        workers the shares partition the stream.
+        An iterator over this worker's items, in stream order, each with
+        `key` and `after` set (the conversation's number, the worker of its
+        previous turn: see workers/turns.py).  Over all workers the shares
+        partition the stream.
     Raises:
         ValueError: an unknown `how`, num_workers < 1 or worker out of range
             (raised by this call, not on first next()).
@@ -373,6 +383,26 @@ def assign(items: Iterable[Item], worker: int, num_workers: int,
         raise ValueError(f"num_workers must be an int >= 1, got {num_workers!r}")
     if isinstance(worker, bool) or not isinstance(worker, int) or not 0 <= worker < num_workers:
         raise ValueError(f"worker must be in [0, {num_workers}), got {worker!r}")
-    if how == "round-robin":
-        return (it for i, it in enumerate(items) if i % num_workers == worker)
-    return (it for it in items if _stable_hash(it.conversation) % num_workers == worker)
+    return _assign(items, worker, num_workers, how == "round-robin")
+
+
+def _assign(items: Iterable[Item], worker: int, num_workers: int,
+            round_robin: bool) -> Iterator[Item]:
+    # Conversations unseen for the last turns.SLOTS conversations are
+    # forgotten (a bounded table over an endless stream): a later turn of
+    # one starts a new key and waits for nothing.
+    latest: OrderedDict[str, tuple[int, int, int]] = OrderedDict()  # -> key, turn, worker
+    next_key = 0
+    for i, it in enumerate(items):
+        w = i % num_workers if round_robin else _stable_hash(it.conversation) % num_workers
+        seen = latest.pop(it.conversation, None)
+        if seen is None:
+            key, after = next_key, -1
+            next_key += 1
+            if len(latest) >= SLOTS:
+                latest.popitem(last=False)
+        else:
+            key, after = seen[0], (seen[2] if seen[1] == it.turn - 1 else -1)
+        latest[it.conversation] = (key, it.turn, w)
+        if w == worker:
+            yield dataclasses.replace(it, key=key, after=after)

@@ -20,6 +20,7 @@ import msgspec
 
 from kvshm.workers.channel import Done, Failed, Progress, Ready, WorkerSpec, WorkloadSpec, emit
 from kvshm.workers.traffic import assign, load_jsonl, synthetic
+from kvshm.workers.turns import TurnBoard
 
 
 def workload_items(workload: WorkloadSpec, index: int, num_workers: int):
@@ -49,11 +50,14 @@ async def serve_worker(spec: WorkerSpec) -> int:
     client = await connect(spec.socket, node=spec.node, hash_algorithm=spec.hash_algorithm,
                            hash_seed=spec.hash_seed,
                            reconnect=Reconnect(timeout=spec.reconnect_timeout))
-    arena = None
+    arena = turns = None
     try:
         arena = client.attach_arena()
+        if spec.turns:
+            turns = TurnBoard.attach(spec.turns)
         stats = EngineStats()
-        engine = Engine(client, arena, client.config, spec.engine, stats)
+        engine = Engine(client, arena, client.config, spec.engine, stats, turns=turns,
+                        worker=spec.index)
         emit(Ready(spec.index, pid=os.getpid(), session=client.session_id,
                    cpus=tuple(sorted(os.sched_getaffinity(0))),
                    model=engine.compute.fingerprint()))
@@ -93,6 +97,8 @@ async def serve_worker(spec: WorkerSpec) -> int:
         emit(Done(spec.index, seconds=seconds, stats=stats))
         return 0
     finally:
+        if turns is not None:
+            turns.close()
         if arena is not None:
             try:
                 arena.close()
