@@ -362,6 +362,28 @@ def test_synthetic_workload_on_a_short_context_pool(tmp_path):
 
 
 # -- Ctrl-C ---------------------------------------------------------------------------------------
+def test_a_sigkilled_launcher_leaves_nothing_behind():
+    """The coordinator and the workers die with the launcher (PDEATHSIG),
+    the coordinator removes its segments, and the run's turn board lost its
+    name as soon as every worker had attached it."""
+    before = kvshm_segments()
+    proc = subprocess.Popen([*RUN, "--duration", "30", "--grace", "2", *LIGHT],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    children: list[psutil.Process] = []
+    try:
+        children = descendants_when(
+            proc, lambda cmds: (sum("workers.worker" in c for c in cmds) == 2
+                                and any(" serve " in c for c in cmds)))
+        time.sleep(1.5)
+        proc.kill()
+        proc.wait()
+        _, alive = psutil.wait_procs(children, timeout=10)
+        assert not alive, alive
+        assert kvshm_segments() == before
+    finally:
+        kill_all(proc, children)
+
+
 def test_ctrl_c_stops_everything(tmp_path):
     before = kvshm_segments()
     out = tmp_path / "out.json"

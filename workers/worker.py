@@ -74,7 +74,10 @@ async def serve_worker(spec: WorkerSpec) -> int:
             # samples included, then exit.
             if running:
                 running[0].restart_stats()
-            emit(Progress(spec.index, elapsed=time.monotonic() - t0, stats=stats))
+            try:
+                emit(Progress(spec.index, elapsed=time.monotonic() - t0, stats=stats))
+            except OSError:
+                pass   # the launcher is gone (SIGKILLed: this SIGTERM is its PDEATHSIG)
             raise SystemExit(128 + signal.SIGTERM)
 
         loop = asyncio.get_running_loop()
