@@ -249,7 +249,8 @@ async def test_the_transformer_shares_hits_and_catches_a_corrupted_block(
     """--model transformer: a second engine's hits are another engine's
     blocks, checked against a recompute within the tolerance (chunking
     differs, so not bit for bit); a corrupted block is still caught, and a
-    sampled decode step agrees with a contiguous recompute."""
+    sampled decode step agrees with attention over its K/V read contiguously
+    (a decode that goes wrong is caught)."""
     coord = await coordinator(kv_config())
     prefix = toks(4 * BS, seed=21)
     a = await open_worker(coord, model="transformer", check_decode=1.0)
@@ -273,6 +274,17 @@ async def test_the_transformer_shares_hits_and_catches_a_corrupted_block(
     assert c.stats.hit_mismatches == 1 and c.stats.hit_blocks_checked == 4
     assert re.search(rf"\b{bad}\b", c.stats.first_error), c.stats.first_error
     b.arena.kv[bad] = original
+
+    d = await open_worker(coord, model="transformer", check_decode=1.0)
+    decode = d.engine.model.decode
+
+    def off_by_a_bit(*args):
+        k, v, hidden = decode(*args)
+        return k, v, hidden * 1.1
+    d.engine.model.decode = off_by_a_bit
+    await d.run([Item("d0", toks(40, seed=28), toks(3, seed=29), "d", 0)])
+    assert d.stats.decode_checks == 2 and d.stats.decode_mismatches == 2
+    assert "differs from attention over its contiguous K/V" in d.stats.first_error
     assert_pool_whole(coord)
 
 

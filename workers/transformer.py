@@ -258,7 +258,7 @@ class TransformerCompute(ComputeBase):
     fraction of admitted requests whose hit blocks are all recomputed and
     compared within TOLERANCE (a recompute costs a prefill of the prefix);
     `check_decode` the fraction of decode tokens whose hidden state is
-    compared with a contiguous recompute of the whole request."""
+    compared with attention over the request's K/V read contiguously."""
 
     def __init__(self, config, arena, opts, stats, tag: int) -> None:
         super().__init__(config, arena, opts, stats, tag)
@@ -337,15 +337,21 @@ class TransformerCompute(ComputeBase):
         return [] if count_only else idx
 
     def _check_decode(self, seq, hidden: np.ndarray) -> None:
+        """The decode step's hidden state against `forward` of the same token
+        over the request's K/V gathered contiguously: the paged decode path
+        against the plain one, over the same bytes (the bytes themselves are
+        what `verify_hits` recomputes).  Costs a gather of the context and one
+        token, where a recompute of the whole request would cost its prefill."""
         t0 = time.thread_time()
         st = self.stats
         pos = seq.num_computed
-        _, _, ref = self.model.forward(seq.tokens[:pos + 1], 0)
+        k, v = read_kv(self.view, seq.tables[0], self.block_size, 0, pos)
+        _, _, ref = self.model.forward(seq.tokens[pos:pos + 1], pos, k, v)
         st.decode_checks += 1
         scale = float(np.abs(ref[-1]).max()) or 1.0
         diff = float(np.abs(hidden - ref[-1]).max())
         if diff > TOLERANCE * scale:
             st.decode_mismatches += 1
-            self.error(f"{seq.rid}: the decode step at position {pos} differs from a "
-                       f"contiguous recompute by {diff:.3g} (scale {scale:.3g})")
+            self.error(f"{seq.rid}: the decode step at position {pos} differs from "
+                       f"attention over its contiguous K/V by {diff:.3g} (scale {scale:.3g})")
         st.check_s += time.thread_time() - t0
