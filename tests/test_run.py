@@ -196,6 +196,8 @@ def test_a_fixed_amount_of_work_gives_a_speedup_ttft_and_a_plot(tmp_path):
     assert re.search(r"speedup \d+\.\d\dx \(isolated [\d.]+ s / shared [\d.]+ s, same "
                      r"work\): shared computed", proc.stdout), proc.stdout
     assert "time to first token p50 ms" in proc.stdout
+    assert re.search(r"the same decode work in both\); time to first token p50 [\d,]+ vs "
+                     r"[\d,]+ ms \(", proc.stdout), proc.stdout
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

@@ -437,11 +437,17 @@ def speedup_line(shared: RunResult, isolated: RunResult) -> str:
             f"{shared.seconds:.1f} s, same work)" if x is not None else
             "no speedup figure: the runs did different amounts of work (give --requests N "
             "and a --duration long enough for both to finish)")
+    first = ""
+    t_s, t_i = (percentile(sorted(r.totals.ttft_ms), 50) for r in (shared, isolated))
+    if t_s and t_i:
+        first = (f"; time to first token p50 {t_s:,} vs {t_i:,} ms "
+                 f"({t_i / t_s:.1f}x lower on the shared pool)" if t_s < t_i else
+                 f"; time to first token p50 {t_s:,} vs {t_i:,} ms (not lower shared)")
     return (f"{head}: shared computed {s.computed_tokens:,} tokens' K/V vs {i.computed_tokens:,} "
             f"({i.computed_tokens - s.computed_tokens:+,} for isolated pools, from "
             f"{s.cross_hit_tokens:,} hit tokens another worker wrote); prefill CPU "
             f"{s.kv_s:,.1f} vs {i.kv_s:,.1f} s, decode {s.attention_s:,.1f} vs "
-            f"{i.attention_s:,.1f} s")
+            f"{i.attention_s:,.1f} s{' (the same decode work in both)' if x else ''}{first}")
 
 
 def main(argv: list[str] | None = None) -> int:
