@@ -449,8 +449,8 @@ def test_workers_ride_through_coordinator_kills(tmp_path):
     adopts the pool; the workers resume, nothing is recomputed, OK."""
     before = kvshm_segments()
     out = tmp_path / "out.json"
-    proc = subprocess.run([*RUN, "--workers", "2", "--duration", "6",
-                           "--kill-coordinator-every", "1.5", "--quiet", "--json", str(out)],
+    proc = subprocess.run([*RUN, "--workers", "2", "--duration", "5", "--grace", "3",
+                           "--kill-coordinator-every", "1.2", *LIGHT, "--json", str(out)],
                           capture_output=True, text=True, timeout=TIMEOUT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     [res] = results(out)
@@ -478,8 +478,9 @@ def test_connected_workers_ride_through_an_external_restart(tmp_path):
     while `kvshm run --connect` workers run: they finish, 0 mismatches."""
     out = tmp_path / "out.json"
     with CoordinatorProcess(preset_config("tiny", num_blocks=2048)) as coord:
-        proc = subprocess.Popen([*RUN, "--connect", str(coord.socket), "--duration", "6",
-                                 "--workers", "2", "--quiet", "--json", str(out)],
+        proc = subprocess.Popen([*RUN, "--connect", str(coord.socket), "--duration", "4",
+                                 "--grace", "3", "--workers", "2", "--quiet", "--json",
+                                 str(out)],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         for _ in range(2):
             _wait_for_work(coord.name)     # both workers connected and running
