@@ -30,6 +30,7 @@ from kvshm.core.specs import (
     MambaSpec,
     PoolConfig,
     SlidingWindowSpec,
+    check_engine_hash_seed,
 )
 
 # The KV budget of a preset or vLLM model sized by neither blocks nor memory,
@@ -218,7 +219,9 @@ def resolve_config(source: PoolSource, *, default_preset: str | None = None,
                           "KV arena")
     hashing = {f: getattr(source, f) for f in ("hash_algorithm", "hash_seed")
                if getattr(source, f) is not None}
-    return config.replace(**hashing) if hashing else config
+    config = config.replace(**hashing) if hashing else config
+    check_engine_hash_seed(config)   # the pools these commands serve are for engines
+    return config
 
 
 def _check_holds_a_request(config: PoolConfig, budget: int) -> None:

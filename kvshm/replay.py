@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from kvshm.core.manager import KVCacheManager
 from kvshm.core.specs import CrossAttentionSpec, PoolConfig
 from kvshm.service import protocol as p
@@ -155,8 +157,8 @@ class EmbeddedReplayer:
     """Executes trace ops on an in-process pool through the op executor (the
     coordinator's own request upkeep), as one admin session."""
 
-    def __init__(self, config: PoolConfig) -> None:
-        self.mgr = KVCacheManager(config)
+    def __init__(self, config: PoolConfig, *, kv_events: bool = False) -> None:
+        self.mgr = KVCacheManager(config, kv_events=kv_events)
         self.executor = OpExecutor(self.mgr)
         self.owner = self.executor.open_owner(1, admin=True)
         self.translator = TraceTranslator()
@@ -257,3 +259,95 @@ def bench_trace(cfg: dict[str, Any], ops: list[dict[str, Any]],
 
 def median_ops_per_second(num_ops: int, times: list[float]) -> float:
     return num_ops / statistics.median(times)
+
+
+# -- KV-cache event streams (tests/data/conformance/EVENTS.md) -------------------------------
+def load_events(path: Path) -> tuple[dict[str, Any], list[tuple[int, list]]]:
+    """An event-stream file: its header line and [(trace line, events)], each
+    event the positional array of the wire form."""
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        lines = [json.loads(line) for line in f if line.strip()]
+    if not lines or lines[0].get("kind") != "events":
+        raise ValueError(f"{path}: line 1 is not an events header")
+    return lines[0], [(row["line"], row["events"]) for row in lines[1:]]
+
+
+def events_trace(events_path: Path, traces: Path) -> Path:
+    """The trace an event-stream file was recorded from, in `traces`."""
+    name = events_path.name.split(".")[0]
+    for suffix in (".jsonl.gz", ".jsonl"):
+        if (traces / (name + suffix)).exists():
+            return traces / (name + suffix)
+    raise FileNotFoundError(f"no trace {name} in {traces} for {events_path.name}")
+
+
+def replay_events(config: PoolConfig, ops: list[dict[str, Any]]
+                  ) -> tuple[Mismatch | None, list[tuple[int, list]]]:
+    """Replay `ops` on a fresh pool of `config` recording KV-cache events:
+    (the first reply mismatch or None, [(trace line, events)] for the ops
+    that produced any, each event the positional array of the wire form)."""
+    r = EmbeddedReplayer(config, kv_events=True)
+    tr, mgr = r.translator, r.mgr
+    execute, owner = r.executor.execute, r.owner
+    out: list[tuple[int, list]] = []
+    mismatch = None
+    try:
+        for i, op in enumerate(ops):
+            try:
+                res = tr.got(op, execute(owner, tr.message(op)))
+            except Exception as e:  # noqa: BLE001 - reported as the mismatch
+                mismatch = Mismatch(i + 2, op["op"], op.get("req", ""), op.get("expect"),
+                                    f"raised {type(e).__name__}: {e}")
+                break
+            if mismatch is None and (res is not None or "expect" in op):
+                mismatch = check_reply(op, res, i + 2)
+            events = mgr.take_events()
+            if events:
+                # As a subscriber decodes the wire form (msgpack: trailing
+                # default fields left out).
+                out.append((i + 2, msgspec.msgpack.decode(msgspec.msgpack.encode(events))))
+    finally:
+        r.close()
+    return mismatch, out
+
+
+def hash_pattern(stream: list[tuple[int, list]]) -> list[tuple[int, list]]:
+    """`stream` with each distinct block hash (block_hashes and the parent)
+    replaced by the index of its first appearance: what two streams hashed
+    by different functions must share."""
+    index: dict[int, int] = {}
+
+    def idx(h):
+        return None if h is None else index.setdefault(h, len(index))
+
+    out = []
+    for line, events in stream:
+        mapped = []
+        for ev in events:
+            ev = list(ev)
+            if ev[0] == "BlockStored":
+                ev[1] = [idx(h) for h in ev[1]]
+                ev[2] = idx(ev[2])
+            elif ev[0] == "BlockRemoved":
+                ev[1] = [idx(h) for h in ev[1]]
+            mapped.append(ev)
+        out.append((line, mapped))
+    return out
+
+
+def first_event_difference(got: list[tuple[int, list]], want: list[tuple[int, list]]
+                           ) -> str | None:
+    """Where two event streams first differ (by trace line, then event), or None."""
+    for (gl, ge), (wl, we) in zip(got, want):
+        if gl != wl:
+            return f"events at trace line {gl}, expected the next ones at line {wl}"
+        if ge != we:
+            k = next((j for j, (a, b) in enumerate(zip(ge, we)) if a != b), min(len(ge), len(we)))
+            return (f"line {wl}, event {k}: expected {we[k] if k < len(we) else 'none'}, "
+                    f"got {ge[k] if k < len(ge) else 'none'}")
+    if len(got) != len(want):
+        extra = got[len(want)] if len(got) > len(want) else want[len(got)]
+        return (f"{len(got)} lines with events, expected {len(want)} (first unmatched: "
+                f"line {extra[0]})")
+    return None

@@ -279,7 +279,8 @@ cfg = lambda algo: types.SimpleNamespace(cache_config=types.SimpleNamespace(
 b = PoolBinding("embedded")
 for name, args in (("engine_xxhash", (cfg("xxhash"), None, None)),
                    ("kvshm_pool", (cfg("sha256"), "sha256", "kvshm-0")),
-                   ("cbor_pool", (cfg("sha256"), "vllm-sha256-cbor", "0"))):
+                   ("cbor_pool", (cfg("sha256"), "vllm-sha256-cbor", "0")),
+                   ("oracle_seed", (cfg("sha256"), "vllm-sha256", "kvshm-oracle-0"))):
     try:
         b.engine_hashing(*args)
     except PoolRefused as e:
@@ -308,4 +309,5 @@ def test_vllm_specs_and_hashing_refusals_inside_vllm():
     assert "kvshm reproduces vLLM's 'sha256' and 'sha256_cbor'" in out["engine_xxhash"]
     assert "serve the pool with --hash-algorithm vllm-sha256" in out["kvshm_pool"]
     assert "prefix_caching_hash_algo='sha256_cbor'" in out["cbor_pool"]
+    assert "seed 'kvshm-oracle-0', which no vLLM engine can use" in out["oracle_seed"]
     assert out["given_seed"] == ["vllm-sha256-cbor", "42"] and out["env_seed"] == "42"

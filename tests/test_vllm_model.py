@@ -11,7 +11,7 @@ import pytest
 
 from kvshm.arena import ArenaLayout
 from kvshm.core.errors import ConfigError, SegmentError
-from kvshm.core.specs import FullSpec, KVShape, PoolConfig, SlidingWindowSpec
+from kvshm.core.specs import FullSpec, KVShape, PoolConfig, SlidingWindowSpec, check_engine_hash_seed
 from kvshm.vllm.model import (
     SMALL_LLAMA,
     TINY_LLAMA,
@@ -85,14 +85,18 @@ def test_pool_sizes_and_dtypes_that_do_not_work(tmp_path):
         model_pool_config(model(tmp_path), kv_memory=8 << 20, dtype="int4")
 
 
-def test_vllm_hash_seeds_must_be_valid_pythonhashseeds():
+def test_vllm_hash_seeds_of_pools_for_engines_must_be_valid_pythonhashseeds():
+    """A pool may hash with any seed (a replay of the oracle's traces uses
+    'kvshm-oracle-0'); one served for engines needs a PYTHONHASHSEED."""
     base = dict(num_blocks=8, hash_block_size=4, max_model_len=64, groups=(FullSpec(4),),
                 hash_algorithm="vllm-sha256")
-    assert PoolConfig(**base, hash_seed="4294967295")
+    check_engine_hash_seed(PoolConfig(**base, hash_seed="4294967295"))
     for bad in ("kvshm-0", "-1", "4294967296", "", "١"):
+        config = PoolConfig(**base, hash_seed=bad)
         with pytest.raises(ConfigError, match="PYTHONHASHSEED"):
-            PoolConfig(**base, hash_seed=bad)
-    assert PoolConfig(**{**base, "hash_algorithm": "sha256"}, hash_seed="kvshm-0")
+            check_engine_hash_seed(config)
+    check_engine_hash_seed(PoolConfig(**{**base, "hash_algorithm": "sha256"},
+                                      hash_seed="kvshm-0"))
 
 
 def test_the_layers_layout(tmp_path):

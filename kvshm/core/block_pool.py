@@ -19,6 +19,7 @@ from array import array
 from collections.abc import Iterable, Sequence
 
 from kvshm.core.errors import InvalidArgument, NoFreeBlocks
+from kvshm.core.events import EventLog
 from kvshm.core.hashing import HASH_SLOT_BYTES, digest_size
 from kvshm.core.segment import (
     ALLOCATED_WORD,
@@ -75,6 +76,9 @@ class BlockPool:
         # Prefix-cache statistics: lookups, lookups with a hit, tokens asked
         # for, tokens hit.
         self.stats = [0, 0, 0, 0]
+        # KV-cache events (core/events.py) when the pool publishes them: the
+        # managers record what they cache, the pool what it evicts or resets.
+        self.events: EventLog | None = None
         if attach:
             # The adopting process is the only writer: read fields directly
             # (a dead writer may have left the mutation counter odd).
@@ -276,6 +280,8 @@ class BlockPool:
         self._flags[b] = 0
         self.num_cached_blocks -= 1
         self._words[EVICTED_WORD] += 1
+        if self.events is not None:
+            self.events.removed(key, self._group[b])
 
     def evict_blocks(self, block_ids: Iterable[int]) -> None:
         """Remove each listed block from the prefix cache if it is cached; the
@@ -286,7 +292,9 @@ class BlockPool:
         for b in ids:
             if b.__class__ is not int or not 0 <= b < n:
                 raise InvalidArgument(f"block id {b!r} is not in [0, {n})")
-        for b in ids:
+        # vLLM takes the ids as a set and visits them in its order: the
+        # order of the BlockRemoved events.
+        for b in set(ids):
             self._evict(b)
 
     def reset_prefix_cache(self) -> bool:
@@ -302,6 +310,8 @@ class BlockPool:
         flags[:] = bytes(len(flags))
         flags[NULL_BLOCK] = FLAG_NULL
         self.num_cached_blocks = 0
+        if self.events is not None:
+            self.events.cleared()
         return True
 
     def rebuild(self) -> None:

@@ -14,6 +14,7 @@ from collections.abc import Iterable
 
 from kvshm.core.block_pool import BlockPool
 from kvshm.core.errors import InvalidArgument, RequestTooLong, StaleHits
+from kvshm.core.events import Event, EventLog
 from kvshm.core.groups import BlockIds, any_blocks, make_group_logic
 from kvshm.core.hashing import BlockHasher
 from kvshm.core.recovery import RepairReport, repair
@@ -33,10 +34,12 @@ class KVCacheManager:
             back and the derived arrays rebuilt first (`repair_report` says
             what was done).  Without one, a new segment named `name` is
             created and owned: `close()` unlinks it.
+        kv_events: record KV-cache events (core/events.py) for
+            `take_events()`.
     """
 
     def __init__(self, config: PoolConfig | None = None, *, name: str | None = None,
-                 segment: PoolSegment | None = None) -> None:
+                 segment: PoolSegment | None = None, kv_events: bool = False) -> None:
         if segment is None:
             if config is None:
                 raise InvalidArgument("a config or a segment is required")
@@ -68,6 +71,9 @@ class KVCacheManager:
             self._drop_segment()
             raise
         self.journal = segment.journal
+        self.events: EventLog | None = None
+        if kv_events:
+            self.events = self.block_pool.events = EventLog(len(config.groups))
         self._frame = False
         self.empty_blocks: BlockIds = tuple(() for _ in config.groups)
         self._widths = self.table.widths
@@ -349,6 +355,11 @@ class KVCacheManager:
             return self.block_pool.reset_prefix_cache()
         finally:
             self._end()
+
+    def take_events(self) -> list[Event]:
+        """The KV-cache events recorded since the last call, oldest first
+        ([] when the manager records none)."""
+        return self.events.take() if self.events is not None else []
 
     # -- frames ------------------------------------------------------------------
     def begin_frame(self) -> None:

@@ -179,11 +179,21 @@ class SingleTypeManager:
         pool, g = self.pool, self.group_id
         # A request may hold fewer blocks than `num_tokens` covers: cache
         # what it holds.
+        stored = []
         for i in range(num_cached, min(num_full, len(blocks))):
             b = blocks[i]
             if b:  # null placeholders (out of window) are never cached
-                pool.cache_block(b, hashes[i * k + k - 1], g)
+                h = hashes[i * k + k - 1]
+                pool.cache_block(b, h, g)
+                stored.append(h)
         self._set_num_cached(rid, num_full)
+        if pool.events is not None:
+            bs = self.block_size
+            tokens = request.all_token_ids
+            pool.events.stored(
+                stored, hashes[num_cached * k - 1] if num_cached else None,
+                tokens[num_cached * bs:num_full * bs] if tokens is not None else [],
+                bs, request.lora_name, g)
 
     # -- freeing -------------------------------------------------------------
     def free(self, request_id: str) -> None:

@@ -284,10 +284,6 @@ class PoolConfig(msgspec.Struct, frozen=True, kw_only=True):
             if self.kv.layout not in KV_LAYOUTS:
                 raise ConfigError("kv.layout", f"must be one of {', '.join(KV_LAYOUTS)} "
                                   f"(got {self.kv.layout!r})")
-        if self.hash_algorithm in VLLM_HASH_ALGORITHMS and not _is_hash_seed(self.hash_seed):
-            raise ConfigError(
-                "hash_seed", "a vLLM hash algorithm's seed is the engines' PYTHONHASHSEED: an "
-                f"integer in [0, 4294967295] (got {self.hash_seed!r})")
         if self.num_sink_blocks >= self.num_blocks - 1:
             raise ConfigError(
                 "num_blocks",
@@ -435,6 +431,17 @@ def attention_types(groups: tuple[GroupSpec, ...]) -> list[tuple[GroupSpec, list
 def _is_hash_seed(seed: str) -> bool:
     """Whether `seed` is a value Python accepts as PYTHONHASHSEED."""
     return seed.isascii() and seed.isdigit() and int(seed) < 2**32
+
+
+def check_engine_hash_seed(config: PoolConfig) -> None:
+    """For a pool vLLM engines join: with a vLLM hash algorithm the seed is
+    the engines' PYTHONHASHSEED, which Python accepts only as an integer in
+    [0, 4294967295].  (A pool that replays traces may hash with any seed,
+    e.g. the oracle's `kvshm-oracle-0`.)  Raises ConfigError otherwise."""
+    if config.hash_algorithm in VLLM_HASH_ALGORITHMS and not _is_hash_seed(config.hash_seed):
+        raise ConfigError(
+            "hash_seed", "a vLLM hash algorithm's seed is the engines' PYTHONHASHSEED: an "
+            f"integer in [0, 4294967295] (got {config.hash_seed!r})")
 
 
 def _positive(field: str, value: int) -> None:

@@ -330,6 +330,8 @@ class OpExecutor:
             self._check_restore(req)
             held.request = req
             return p.Done()
+        if self.mgr.events is not None:
+            self.mgr.events.lora_id(req.lora_name)   # adapter ids in order of first use
         self.requests[rid] = ReqState(req, owner)
         owner.requests.add(rid)
         return p.Done()

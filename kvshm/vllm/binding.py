@@ -110,6 +110,12 @@ class PoolBinding:
                    f"own {pool_algorithm!r}, which no vLLM engine computes)")
             raise PoolRefused(f"the engine hashes with {vllm_algo!r} (kvshm {algo!r}), the "
                               f"pool with {pool_algorithm!r}: {fix}")
+        if pool_seed is not None and not (pool_seed.isascii() and pool_seed.isdigit()
+                                          and int(pool_seed) < 2**32):
+            raise PoolRefused(
+                f"the pool hashes with seed {pool_seed!r}, which no vLLM engine can use (its "
+                "PYTHONHASHSEED must be an integer in [0, 4294967295]): serve the pool with "
+                "--hash-seed N")
         seed = os.environ.get("PYTHONHASHSEED")
         want_seed = pool_seed if pool_seed is not None else DEFAULT_SEED
         if seed is None:

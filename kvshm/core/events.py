@@ -1,0 +1,151 @@
+"""KV-cache events: what the prefix cache gained and lost, in vLLM's wire form.
+
+KV-aware routers (llm-d's indexer, Dynamo's KV router, SGLang's router)
+learn what each engine caches from vLLM's KV-event stream.  A pool records
+the same events, for the same operations and in the same order, as vLLM
+0.14's block pool:
+
+- `BlockStored` when a request's full blocks are cached (one event per
+  caching call and KV-cache group: the new blocks' hashes, the hash of the
+  block before them, their tokens);
+- `BlockRemoved` when a cached block is evicted (its reuse for another
+  request, or `evict_blocks`);
+- `AllBlocksCleared` when the prefix cache is reset.
+
+The Structs encode (msgpack, tagged, positional) exactly as vLLM's:
+`["BlockStored", block_hashes, parent_block_hash, token_ids, block_size,
+lora_id, medium, lora_name]`, `["BlockRemoved", block_hashes, medium]`,
+`["AllBlocksCleared"]`, batched as `[ts, [events], data_parallel_rank]`.
+Block hashes are 64-bit integers: the low 64 bits of the block's hash
+digest read big-endian, as vLLM sends them by default.  With the pool's
+`vllm-sha256` hashing they are the integers a vLLM engine would send.
+
+Several KV-cache groups: vLLM 0.14 emits nothing group-specific (it turns
+events off for hybrid models).  Later vLLM versions added trailing fields:
+`extra_keys` and `group_idx` on `BlockStored`, `group_idx` on
+`BlockRemoved`.  A pool of several groups sends them the same way
+(`group_idx`: the index in `PoolConfig.groups`; `extra_keys` None); a
+single-group pool sends 0.14's arrays, byte for byte.
+
+A request added by its block hashes (`Request.from_block_hashes`) has no
+token ids here: its `BlockStored` events carry `token_ids` [].  A tenant's
+requests cache under its namespaced hashes, and that is what the events
+name.  LoRA adapters get ids 1, 2, ... in order of first use, as vLLM's
+`LoRARequest` ids would be numbered by a server that loads them so.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Union
+
+import msgspec
+
+MEDIUM_GPU = "GPU"   # what vLLM's block pool reports on every backend (CPU too)
+_LOW64 = (1 << 64) - 1
+
+
+class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False,
+                   tag=True):
+    """One change to the prefix cache (the tag is the class name)."""
+
+
+class BlockStored(KVCacheEvent):
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+
+
+class BlockRemoved(KVCacheEvent):
+    block_hashes: list[int]
+    medium: str | None
+
+
+class AllBlocksCleared(KVCacheEvent):
+    pass
+
+
+# The events of a pool of several KV-cache groups: the same tags, with later
+# vLLM's trailing fields.  msgspec writes every field of an array-like
+# Struct, defaults too, so these are separate classes: a single-group
+# stream stays 0.14's.  They also decode 0.14's shorter arrays (the extra
+# fields default to None): `kvshm events` reads any stream with them.
+class GroupBlockStored(BlockStored, tag="BlockStored"):
+    extra_keys: list[Any] | None = None     # per block in later vLLM; kvshm sends None
+    group_idx: int | None = None
+
+
+class GroupBlockRemoved(BlockRemoved, tag="BlockRemoved"):
+    group_idx: int | None = None
+
+
+Event = Union[BlockStored, BlockRemoved, AllBlocksCleared]
+AnyEvent = Union[GroupBlockStored, GroupBlockRemoved, AllBlocksCleared]   # for decoding
+
+
+class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """What one message of the stream carries (decode with `AnyEvent`
+    events: `EventBatchIn`)."""
+
+    ts: float
+    events: list[Event]
+    data_parallel_rank: int | None = None
+
+
+class EventBatchIn(EventBatch):
+    events: list[AnyEvent]
+
+
+def external_hash(digest: bytes) -> int:
+    """A block hash as the stream names it: the low 64 bits, big-endian."""
+    return int.from_bytes(digest, "big") & _LOW64
+
+
+class EventLog:
+    """The events a pool recorded since the last `take()`.
+
+    Args:
+        num_groups: the pool's KV-cache groups (more than one: events carry
+            `group_idx`).
+    """
+
+    __slots__ = ("events", "_lora_ids", "_groups")
+
+    def __init__(self, num_groups: int = 1) -> None:
+        self.events: list[Event] = []
+        self._lora_ids: dict[str, int] = {}
+        self._groups = num_groups > 1
+
+    def lora_id(self, name: str | None) -> int | None:
+        """The adapter id of LoRA `name` (1, 2, ... in order of first use)."""
+        if not name:
+            return None
+        ids = self._lora_ids
+        lid = ids.get(name)
+        if lid is None:
+            lid = ids[name] = len(ids) + 1
+        return lid
+
+    def stored(self, digests: list[bytes], parent: bytes | None, token_ids: list[int],
+               block_size: int, lora_name: str | None, group: int) -> None:
+        args = ([external_hash(d) for d in digests],
+                None if parent is None else external_hash(parent),
+                token_ids, block_size, self.lora_id(lora_name), MEDIUM_GPU, lora_name or None)
+        self.events.append(GroupBlockStored(*args, group_idx=group) if self._groups
+                           else BlockStored(*args))
+
+    def removed(self, digest: bytes, group: int) -> None:
+        hashes = [external_hash(digest)]
+        self.events.append(GroupBlockRemoved(hashes, MEDIUM_GPU, group_idx=group)
+                           if self._groups else BlockRemoved(hashes, MEDIUM_GPU))
+
+    def cleared(self) -> None:
+        self.events.append(AllBlocksCleared())
+
+    def take(self) -> list[Event]:
+        """The events recorded since the last call, oldest first."""
+        out, self.events = self.events, []
+        return out
