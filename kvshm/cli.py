@@ -17,6 +17,9 @@ def cmd_replay(args: argparse.Namespace) -> int:
     from kvshm.core.check import check_segment
     from kvshm.replay import bench_trace, expand_paths, load_trace, replay_trace
 
+    if args.connect and not args.ipc:
+        print("kvshm replay: --connect goes with --ipc", file=sys.stderr)
+        return 2
     paths = list(expand_paths(args.paths))
     if not paths:
         print("no traces found in " + " ".join(args.paths), file=sys.stderr)
@@ -37,7 +40,14 @@ def cmd_replay(args: argparse.Namespace) -> int:
         row["ops"] = len(ops)
         reports = []
         try:
-            if args.ipc:
+            if args.connect:
+                from kvshm.service.ipc_replay import replay_trace_connected
+                mismatch, seconds, report = replay_trace_connected(
+                    args.connect, cfg, ops, batch=args.batch_size if args.batch else 0)
+                if report is not None:
+                    reports.append(report)
+                    row["ipc_ops_per_s"] = len(ops) / seconds if seconds else None
+            elif args.ipc:
                 from kvshm.service.ipc_replay import replay_trace_ipc
                 mismatch, seconds, report = replay_trace_ipc(
                     cfg, ops, batch=args.batch_size if args.batch else 0)
@@ -213,7 +223,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     if traces.exists():
         print(f"conformance replay of {traces}:")
         ns = argparse.Namespace(paths=[str(traces)], bench=False, runs=1, json=False,
-                                ipc=False, batch=False, batch_size=0)
+                                ipc=False, batch=False, batch_size=0, connect=None)
         return cmd_replay(ns) or (0 if report.clean else 1)
     return 0 if report.clean else 1
 
@@ -249,6 +259,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.resume_grace < 0:
         print("kvshm serve: --resume-grace must be >= 0", file=sys.stderr)
         return 2
+    kv_events = None
+    if args.kv_events_config:
+        from kvshm.service.events import KVEventsConfig, import_zmq
+        kv_events = KVEventsConfig.from_json(args.kv_events_config)
+        if kv_events.publishes:
+            import_zmq()
     import logging
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO,
                         format="kvshm coordinator: %(message)s")
@@ -273,7 +289,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     run_async(serve(config, name=args.name, socket_path=sock, **tokens,
                     allow_other_uids=args.allow_other_uids, fresh=args.fresh,
-                    resume_grace=args.resume_grace, ready=ready))
+                    resume_grace=args.resume_grace, kv_events=kv_events, ready=ready))
     if not args.quiet:
         print("kvshm coordinator: stopped, segment removed", flush=True)
     return 0
@@ -325,7 +341,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", action="store_true",
                    help="with --ipc: send ops in batches (scheduler-step frames)")
     p.add_argument("--batch-size", type=int, default=64, help="ops per batch (64)")
+    p.add_argument("--connect", metavar="SOCKET",
+                   help="with --ipc: replay through the coordinator already listening at "
+                   "SOCKET (a fresh pool of the trace's config), e.g. to check its KV-event "
+                   "stream")
     p.set_defaults(fn=cmd_replay)
+
+    p = sub.add_parser("events", help="follow a KV-event stream (kvshm serve "
+                       "--kv-events-config, or a vLLM engine's) and print its events as JSON "
+                       "lines: {seq, ts, rank, event}")
+    p.add_argument("--endpoint", default="tcp://127.0.0.1:5557",
+                   help="the publisher's endpoint (%(default)s; a bound tcp://*:PORT means "
+                   "this host)")
+    p.add_argument("--replay-endpoint", help="its replay endpoint: fills gaps, and --from")
+    p.add_argument("--from", dest="from_seq", type=int, metavar="SEQ",
+                   help="start with the buffered batches from SEQ (0: all it kept)")
+    p.add_argument("--topic", default="", help="subscribe to this topic (prefix)")
+    p.add_argument("--count", type=int, default=0, help="stop after N events")
+    p.add_argument("--idle-timeout", type=float, metavar="S",
+                   help="stop after S seconds without a batch (default: follow forever)")
+    p.set_defaults(fn=cmd_events)
 
     from kvshm.service.sessions import DEFAULT_RESUME_GRACE
     p = sub.add_parser("serve", help="run the coordinator in the foreground")
@@ -370,6 +405,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "before their requests are freed (%(default)s)")
     p.add_argument("--allow-other-uids", action="store_true",
                    help="accept clients of other users (default: same uid only)")
+    p.add_argument("--kv-events-config", metavar="JSON",
+                   help="publish KV-cache events as vLLM does, for KV-aware routers: vLLM's "
+                   "KVEventsConfig fields as JSON, e.g. '{\"enable_kv_cache_events\": true, "
+                   "\"endpoint\": \"tcp://*:5557\"}' (needs kvshm[events]; docs/events.md)")
     p.add_argument("--quiet", action="store_true", help="print only the ready line")
     p.set_defaults(fn=cmd_serve)
 
@@ -402,6 +441,49 @@ def build_parser() -> argparse.ArgumentParser:
                    help="conformance traces to replay afterwards (skipped if absent)")
     p.set_defaults(fn=cmd_demo)
     return ap
+
+
+def cmd_events(args: argparse.Namespace) -> int:
+    import msgspec
+
+    from kvshm.service.events import EventSubscriber
+
+    if args.from_seq is not None and args.from_seq < 0:
+        print("kvshm events: --from must be >= 0", file=sys.stderr)
+        return 2
+    if args.from_seq is not None and not args.replay_endpoint:
+        print("kvshm events: --from needs --replay-endpoint (where the buffered batches "
+              "are asked for)", file=sys.stderr)
+        return 2
+
+    def gap(first: int, nxt: int) -> None:
+        print(f"kvshm events: batches {first}..{nxt - 1} missed (not in the publisher's "
+              "replay buffer, or no --replay-endpoint)", file=sys.stderr)
+
+    sub = EventSubscriber(args.endpoint, replay_endpoint=args.replay_endpoint,
+                          topic=args.topic, from_seq=args.from_seq, on_gap=gap)
+    encode = msgspec.json.Encoder().encode
+    out = sys.stdout.buffer
+    n = 0
+    try:
+        for seq, batch in sub.batches(idle_timeout=args.idle_timeout):
+            ts, events = batch[0], batch[1]
+            rank = batch[2] if len(batch) > 2 else None
+            for event in events:
+                out.write(encode({"seq": seq, "ts": ts, "rank": rank, "event": event}) + b"\n")
+                n += 1
+                if args.count and n >= args.count:
+                    out.flush()
+                    return 0
+            out.flush()
+    except KeyboardInterrupt:
+        return 130
+    except TimeoutError as e:
+        print(f"kvshm events: {e}", file=sys.stderr)
+        return 1
+    finally:
+        sub.close()
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

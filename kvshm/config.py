@@ -22,6 +22,7 @@ import msgspec
 from kvshm.arena import arena_bytes
 from kvshm.core.errors import ConfigError
 from kvshm.core.segment import Layout
+from kvshm.core.hashing import DEFAULT_HASH_SEED
 from kvshm.core.specs import (
     CrossAttentionSpec,
     FullSpec,
@@ -220,7 +221,11 @@ def resolve_config(source: PoolSource, *, default_preset: str | None = None,
     hashing = {f: getattr(source, f) for f in ("hash_algorithm", "hash_seed")
                if getattr(source, f) is not None}
     config = config.replace(**hashing) if hashing else config
-    check_engine_hash_seed(config)   # the pools these commands serve are for engines
+    if config.hash_seed == DEFAULT_HASH_SEED:
+        # A vLLM algorithm with kvshm's own default seed: no engine could
+        # join.  A seed chosen on purpose (the oracle's, for replays) is
+        # the user's call; the vLLM plugin refuses it with the reason.
+        check_engine_hash_seed(config)
     return config
 
 

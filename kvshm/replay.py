@@ -30,10 +30,12 @@ FREE_HEAD_LEN = 64
 
 
 def expand_paths(paths: Iterable[str | Path]) -> Iterator[Path]:
-    """Files as given; directories searched for *.jsonl.gz and *.jsonl."""
+    """Files as given; directories searched for *.jsonl.gz and *.jsonl (not
+    the event streams recorded beside traces, *.events.jsonl*)."""
     for path in map(Path, paths):
         if path.is_dir():
-            yield from sorted([*path.rglob("*.jsonl.gz"), *path.rglob("*.jsonl")])
+            yield from sorted(p for p in [*path.rglob("*.jsonl.gz"), *path.rglob("*.jsonl")]
+                              if ".events.jsonl" not in p.name)
         else:
             yield path
 

@@ -314,19 +314,24 @@ class BlockPool:
             self.events.cleared()
         return True
 
-    def rebuild(self) -> None:
-        """Recreate the hash maps from the segment (cached blocks ordered by
-        the stamp of their caching, so 'earliest cached wins' survives)."""
+    def cached_blocks(self) -> list[tuple[int, bytes, int]]:
+        """(block, hash, group) of every cached block, in the order they were
+        cached."""
         flags, stamp, group = self._flags, self._cache_stamp, self._group
         cached = [b for b in range(self.num_blocks) if flags[b] & FLAG_CACHED]
         cached.sort(key=lambda b: stamp[b])
+        ds = self.digest_size
+        return [(b, bytes(self._hashes[b * _H:b * _H + ds]), group[b]) for b in cached]
+
+    def rebuild(self) -> None:
+        """Recreate the hash maps from the segment (cached blocks ordered by
+        the stamp of their caching, so 'earliest cached wins' survives)."""
+        cached = self.cached_blocks()
         self.num_cached_blocks = len(cached)
         for m in self._maps:
             m.clear()
-        for b in cached:
-            off = b * _H
-            key = bytes(self._hashes[off:off + self.digest_size])
-            m = self._maps[group[b]]
+        for b, key, g in cached:
+            m = self._maps[g]
             cur = m.get(key)
             if cur is None:
                 m[key] = b

@@ -72,14 +72,32 @@ class KVCacheManager:
             raise
         self.journal = segment.journal
         self.events: EventLog | None = None
-        if kv_events:
-            self.events = self.block_pool.events = EventLog(len(config.groups))
         self._frame = False
         self.empty_blocks: BlockIds = tuple(() for _ in config.groups)
         self._widths = self.table.widths
         self._hbs = config.hash_block_size
         self._slot_of = self.table.slot_of
         self._words = segment.words
+        if kv_events:
+            self.enable_events()
+
+    def enable_events(self) -> None:
+        """Record KV-cache events from now on.  A pool that already caches
+        blocks (one adopted from a dead coordinator) first records
+        AllBlocksCleared and a BlockStored per cached block, oldest first:
+        a subscriber that followed the previous coordinator's stream (whose
+        last events may have died with it) is then in step again.  The
+        segment keeps no tokens, parents or LoRA names: those events carry
+        only the block's hash, its size and group."""
+        if self.events is not None:
+            return
+        log = self.events = self.block_pool.events = EventLog(len(self.config.groups))
+        cached = self.block_pool.cached_blocks()
+        if cached:
+            log.cleared()
+            sizes = [m.block_size for m in self.groups.managers]
+            for _, digest, group in cached:
+                log.stored([digest], None, [], sizes[group], None, group)
 
     # -- construction helpers --------------------------------------------------
     def make_hasher(self) -> BlockHasher | None:

@@ -4,6 +4,13 @@ For each trace a coordinator is started with the trace's config; the trace's
 ops go through the asyncio client, one per round trip or grouped into
 batches, and every reply is compared with the recorded expectation exactly as
 in embedded replay.
+
+`--connect SOCKET` replays against a coordinator that is already running
+instead (so a deployed pool's event stream and metrics can be checked
+against the traces).  A trace's replies hold the block ids of a fresh pool,
+so the pool must be one nobody has allocated from yet, with the trace's
+config (`max_num_seqs` at least the trace's requests; the hashing may
+differ: it changes hashes, not replies): `connected_problem` says why not.
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ from typing import Any
 
 from kvshm.core.check import CheckReport, check_segment
 from kvshm.core.segment import PoolSegment
+from kvshm.core.specs import PoolConfig
 from kvshm.replay import Mismatch, TraceTranslator, check_reply, trace_pool_config
 from kvshm.service import protocol as p
 from kvshm.service.client import Client, connect
@@ -67,3 +75,50 @@ def replay_trace_ipc(cfg: dict, ops: list[dict],
         finally:
             seg.close()
         return mismatch, seconds, report
+
+
+# Fields a connected pool may have that the trace's config does not.
+_FREE_FIELDS = ("max_num_seqs", "hash_algorithm", "hash_seed", "kv")
+
+
+def connected_problem(pool: PoolConfig, want: PoolConfig, stats: dict) -> str | None:
+    """Why a running pool cannot replay a trace of config `want` (None: it can)."""
+    diff = [f"{name}: pool {getattr(pool, name)!r}, trace {getattr(want, name)!r}"
+            for name in want.__struct_fields__
+            if name not in _FREE_FIELDS and getattr(pool, name) != getattr(want, name)]
+    if pool.max_num_seqs < want.max_num_seqs:
+        diff.append(f"max_num_seqs: pool {pool.max_num_seqs}, the trace needs "
+                    f"{want.max_num_seqs}")
+    if diff:
+        return "the pool's config is not the trace's (" + "; ".join(diff) + ")"
+    if stats["blocks_allocated"] or stats["num_requests"] or stats["num_cached_blocks"]:
+        return (f"the pool is not fresh ({stats['blocks_allocated']:,} blocks allocated "
+                f"since it started, {stats['num_requests']} request(s)): a trace's replies "
+                "are those of a new pool; restart the coordinator with --fresh")
+    return None
+
+
+def replay_trace_connected(socket: str, cfg: dict, ops: list[dict], batch: int = 0
+                           ) -> tuple[Mismatch | str | None, float, CheckReport | None]:
+    """Replay one trace through the coordinator listening at `socket`, as an
+    admin session with the pool's hashing: (the first mismatch, or a
+    refusal as a string, or None; the seconds the ops took; a check of the
+    pool segment after the replay, None when refused)."""
+    from kvshm.core.stats import read_stats
+    want = trace_pool_config(cfg, ops)
+
+    async def run():
+        async with await connect(socket, hash_algorithm=None, admin=True) as client:
+            seg = PoolSegment.attach(client.pool_segment)
+            try:
+                problem = connected_problem(client.config, want, read_stats(seg))
+                if problem is not None:
+                    return problem, 0.0, None
+                t0 = time.perf_counter()
+                m = await replay_through(client, ops, batch)
+                seconds = time.perf_counter() - t0
+                return m, seconds, check_segment(seg)
+            finally:
+                seg.close()
+
+    return run_async(run())

@@ -38,6 +38,7 @@ from kvshm.service.errors import (
     VersionMismatch,
 )
 from kvshm.service.adoption import adopt_pool, create_pool
+from kvshm.service.events import EventPublisher, KVEventsConfig
 from kvshm.service.framing import MAX_FRAME_BYTES, FrameReader, encode_frame
 from kvshm.service.handshake import admin_token_path
 from kvshm.service.ops import OpExecutor, Owner
@@ -138,6 +139,9 @@ class Coordinator:
             of the coordinator's user can read it and tenants of other
             users cannot.
         allow_other_uids: accept peers of another uid (SO_PEERCRED).
+        kv_events: publish the pool's KV-cache events as vLLM does (one
+            batch per frame that changed the prefix cache;
+            service/events.py).
     """
 
     def __init__(self, config: PoolConfig, *, name: str, socket_path: str | Path,
@@ -146,7 +150,8 @@ class Coordinator:
                  max_frame_bytes: int = MAX_FRAME_BYTES,
                  max_batch_ops: int = p.MAX_BATCH_OPS,
                  write_buffer_high: int = 4 * 2**20, adopt: bool = False,
-                 resume_grace: float = DEFAULT_RESUME_GRACE) -> None:
+                 resume_grace: float = DEFAULT_RESUME_GRACE,
+                 kv_events: KVEventsConfig | None = None) -> None:
         self.socket_path = Path(socket_path)
         self.token = token or None
         self.admin_token = admin_token or None
@@ -158,6 +163,14 @@ class Coordinator:
         self.resume_grace = resume_grace
         self.pool = adopt_pool(config, name) if adopt else create_pool(config, name)
         self.mgr = self.pool.mgr
+        self.publisher: EventPublisher | None = None
+        if kv_events is not None and kv_events.publishes:
+            try:
+                self.publisher = EventPublisher(kv_events)
+            except BaseException:
+                self.pool.close(unlink=not adopt)
+                raise
+            self.mgr.enable_events()   # (an adopted pool's cached blocks, restated)
         self.arena = self.pool.arena
         self.adoption = self.pool.adoption
         self.config = self.mgr.config
@@ -204,6 +217,7 @@ class Coordinator:
         if self.executor.unresumed:
             self._grace = asyncio.get_running_loop().call_later(self.resume_grace,
                                                                 self.expire_unresumed)
+        self.publish_events()
         if self.admin_token is None:
             self._admin_file = admin_token_path(path)
             # A coordinator taking over keeps its predecessor's token, so
@@ -226,6 +240,9 @@ class Coordinator:
             self._server = None
         for s in list(self.sessions.values()):
             self._end_session(s)
+        if self.publisher is not None:
+            self.publisher.close()
+            self.publisher = None
         if self._bound:  # only ever remove the socket this coordinator made
             self._bound = False
             try:
@@ -248,6 +265,7 @@ class Coordinator:
         self._grace = None
         n = len(self.executor.unresumed)
         freed = self.executor.expire_unresumed()
+        self.publish_events()
         if n:
             log.info("resume grace period over: %d session(s) did not come back, "
                      "freed their %d request(s)", n, freed)
@@ -258,6 +276,14 @@ class Coordinator:
             return
         if s.owner is not None:
             self.executor.close_owner(s.owner)
+            self.publish_events()
+
+    def publish_events(self) -> None:
+        """Send the KV-cache events recorded since the last call, as one batch."""
+        if self.publisher is not None:
+            events = self.mgr.take_events()
+            if events:
+                self.publisher.publish(events)
 
     # -- frames --------------------------------------------------------------------------------
     def handle(self, s: Session, body: bytes) -> bytes | bytearray | None:
@@ -279,7 +305,10 @@ class Coordinator:
             return encode_frame(reply)
         if msg.__class__ is p.Hello:
             return encode_frame(p.Error(ProtocolError.code, "Hello was already received"))
-        return self.executor.execute_frame(s.owner, msg)
+        reply = self.executor.execute_frame(s.owner, msg)
+        if self.publisher is not None:
+            self.publish_events()
+        return reply
 
     def _handshake(self, s: Session, hello: p.Hello) -> msgspec.Struct:
         if hello.version != p.PROTOCOL_VERSION:
@@ -358,6 +387,7 @@ async def serve(config: PoolConfig, *, name: str, socket_path: str | Path,
                 token: str | None = None, admin_token: str | None = None,
                 allow_other_uids: bool = False, fresh: bool = False,
                 resume_grace: float = DEFAULT_RESUME_GRACE,
+                kv_events: KVEventsConfig | None = None,
                 ready: Callable[[Coordinator], None] | None = None) -> None:
     """Run a coordinator until SIGINT/SIGTERM, then shut down cleanly.
 
@@ -403,7 +433,8 @@ async def serve(config: PoolConfig, *, name: str, socket_path: str | Path,
     try:
         coord = Coordinator(config, name=name, socket_path=socket_path, token=token,
                             admin_token=admin_token, allow_other_uids=allow_other_uids,
-                            adopt=info is not None, resume_grace=resume_grace)
+                            adopt=info is not None, resume_grace=resume_grace,
+                            kv_events=kv_events)
     except BaseException:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)

@@ -1,0 +1,301 @@
+"""The coordinator's KV-event stream: vLLM's `KVEventsConfig` and a ZMQ
+publisher that speaks vLLM 0.14's wire protocol (pyzmq: `kvshm[events]`).
+
+Each batch (the events one frame caused, kvshm/core/events.py) goes out as
+three frames `[topic, seq, payload]`: seq counts batches from 0 as 8 bytes
+big-endian, the payload is the msgpack `EventBatch` `[ts, [events],
+data_parallel_rank]`.  An endpoint with `*` (or `::`, `ipc://`,
+`inproc://`) is bound, any other connected, as vLLM does.  The replay
+socket (ROUTER, bound at `replay_endpoint`) answers a request `[start_seq
+(8 bytes big-endian)]` with every buffered batch from that seq, each as
+`[seq, payload]`, then `[-1 (8 bytes, signed), b""]`; it keeps the last
+`buffer_steps` batches.
+
+The event loop never waits for the network: `publish()` puts the batch on
+a bounded queue (`max_queue_size` batches) that a thread drains; a full
+queue drops the batch (counted).  The thread sends on an XPUB socket with
+XPUB_NODROP, so a batch refused at the high-water mark `hwm` (a subscriber
+that does not keep up) is counted as dropped too, instead of vanishing as
+on a PUB socket; either way the batch still enters the replay buffer under
+its seq, so a subscriber that sees a gap can fetch what it missed.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from typing import Literal
+
+import msgspec
+
+from kvshm.core.errors import ConfigError
+from kvshm.core.events import Event, EventBatch
+
+log = logging.getLogger("kvshm.events")
+
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+
+
+class KVEventsConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """vLLM's `KVEventsConfig` fields, meanings and defaults."""
+
+    enable_kv_cache_events: bool = False
+    publisher: Literal["null", "zmq"] | None = None    # None: "zmq" if enabled
+    endpoint: str = "tcp://*:5557"
+    replay_endpoint: str | None = None
+    buffer_steps: int = 10_000
+    hwm: int = 100_000
+    max_queue_size: int = 100_000
+    topic: str = ""
+
+    def __post_init__(self) -> None:
+        if self.publisher is None:
+            self.publisher = "zmq" if self.enable_kv_cache_events else "null"
+        for name in ("buffer_steps", "hwm", "max_queue_size"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"kv_events.{name}", f"must be >= 1 (got "
+                                  f"{getattr(self, name)})")
+        if not self.endpoint:
+            raise ConfigError("kv_events.endpoint", "must name a ZMQ endpoint")
+
+    @property
+    def publishes(self) -> bool:
+        """Whether events are recorded and sent at all."""
+        return self.enable_kv_cache_events and self.publisher == "zmq"
+
+    @classmethod
+    def from_json(cls, text: str) -> "KVEventsConfig":
+        """Parse `--kv-events-config` JSON; ConfigError naming the field."""
+        try:
+            return msgspec.json.decode(text, type=cls)
+        except msgspec.ValidationError as e:
+            raise ConfigError("kv_events", f"{e} (fields: {', '.join(cls.__struct_fields__)}; "
+                              "publisher 'null' or 'zmq')") from None
+        except msgspec.DecodeError as e:
+            raise ConfigError("kv_events", f"not JSON: {e}") from None
+
+
+def _binds(endpoint: str) -> bool:
+    return ("*" in endpoint or "::" in endpoint or endpoint.startswith("ipc://")
+            or endpoint.startswith("inproc://"))
+
+
+def import_zmq():
+    """pyzmq, or ConfigError saying how to get it."""
+    try:
+        import zmq
+    except ImportError:
+        raise ConfigError("kv_events", "publishing KV events needs pyzmq: "
+                          "pip install 'kvshm[events]'") from None
+    return zmq
+
+
+class EventPublisher:
+    """Publishes `EventBatch`es as configured; `close()` sends what is
+    queued (up to `linger` seconds) and closes the sockets.  Raises
+    ConfigError for an endpoint ZMQ refuses (e.g. a port in use)."""
+
+    def __init__(self, config: KVEventsConfig, *, data_parallel_rank: int = 0,
+                 linger: float = 1.0) -> None:
+        zmq = self._zmq = import_zmq()
+        self.config = config
+        self.rank = data_parallel_rank
+        self.linger = linger
+        self.published = 0          # batches sent
+        self.dropped = 0            # batches not sent (queue full, or the HWM hit)
+        self.dropped_events = 0
+        self._queue: queue.Queue = queue.Queue(maxsize=config.max_queue_size)
+        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
+        self._topic = config.topic.encode()
+        self._ctx = zmq.Context.instance()
+        self._pub = self._ctx.socket(zmq.XPUB)
+        self._replay = None
+        try:
+            self._pub.setsockopt(zmq.SNDHWM, config.hwm)
+            self._pub.setsockopt(zmq.XPUB_NODROP, 1)
+            self._pub.setsockopt(zmq.LINGER, int(linger * 1000))
+            if _binds(config.endpoint):
+                self._pub.bind(config.endpoint)
+            else:
+                self._pub.connect(config.endpoint)
+            if config.replay_endpoint:
+                self._replay = self._ctx.socket(zmq.ROUTER)
+                self._replay.setsockopt(zmq.LINGER, 0)
+                self._replay.bind(config.replay_endpoint)
+        except zmq.ZMQError as e:
+            self._close_sockets()
+            raise ConfigError("kv_events", f"cannot open {config.endpoint}"
+                              f"{' / ' + config.replay_endpoint if config.replay_endpoint else ''}"
+                              f": {e}") from None
+        self._running = True
+        self._abandon = False
+        self._thread = threading.Thread(target=self._run, name="kvshm-events", daemon=True)
+        self._thread.start()
+
+    def publish(self, events: list[Event]) -> None:
+        """Queue one batch (never blocks: a full queue drops it, counted)."""
+        try:
+            self._queue.put_nowait(EventBatch(time.time(), events, self.rank))
+        except queue.Full:
+            self.dropped += 1
+            self.dropped_events += len(events)
+
+    def stats(self) -> dict[str, int]:
+        return {"published_batches": self.published, "dropped_batches": self.dropped,
+                "dropped_events": self.dropped_events, "queued_batches": self._queue.qsize()}
+
+    def close(self) -> None:
+        """Send what is queued (for up to `linger` s), then close."""
+        if not self._running:
+            return
+        self._running = False
+        try:
+            self._queue.put(None, timeout=self.linger)   # after everything queued
+        except queue.Full:
+            self._abandon = True                         # give up on the rest
+        self._thread.join(self.linger + 1.0)
+        if self._thread.is_alive():
+            self._abandon = True
+            self._thread.join(1.0)
+        self._close_sockets()
+
+    # -- the thread --------------------------------------------------------------------------
+    def _run(self) -> None:
+        zmq = self._zmq
+        encode = msgspec.msgpack.Encoder().encode
+        poller = zmq.Poller()
+        poller.register(self._pub, zmq.POLLIN)          # subscriptions arrive here
+        if self._replay is not None:
+            poller.register(self._replay, zmq.POLLIN)
+        seq = 0
+        while not self._abandon:
+            try:
+                for sock, _ in poller.poll(0):
+                    if sock is self._replay:
+                        self._answer_replay()
+                    else:
+                        self._pub.recv(zmq.NOBLOCK)      # (un)subscribe: nothing to do
+            except zmq.ZMQError as e:   # noqa: PERF203 - a bad request must not stop us
+                log.warning("KV events: replay/subscription error: %s", e)
+            try:
+                batch = self._queue.get(timeout=0.05)
+            except queue.Empty:
+                continue
+            if batch is None:
+                break
+            payload = encode(batch)
+            seq_bytes = seq.to_bytes(8, "big")
+            try:
+                self._pub.send_multipart((self._topic, seq_bytes, payload), zmq.NOBLOCK)
+                self.published += 1
+            except zmq.Again:
+                self.dropped += 1
+                self.dropped_events += len(batch.events)
+            except zmq.ZMQError as e:
+                log.warning("KV events: batch %d not sent: %s", seq, e)
+                self.dropped += 1
+                self.dropped_events += len(batch.events)
+            self._buffer.append((seq, payload))
+            seq += 1
+
+    def _answer_replay(self) -> None:
+        zmq = self._zmq
+        frames = self._replay.recv_multipart(zmq.NOBLOCK)
+        if len(frames) != 3 or len(frames[2]) != 8:
+            log.warning("KV events: bad replay request (%d frames)", len(frames))
+            return
+        client, _, start = frames
+        start_seq = int.from_bytes(start, "big")
+        for seq, payload in list(self._buffer):
+            if seq >= start_seq:
+                self._replay.send_multipart((client, b"", seq.to_bytes(8, "big"), payload))
+        self._replay.send_multipart((client, b"", END_SEQ, b""))
+
+    def _close_sockets(self) -> None:
+        for sock in (self._pub, self._replay):
+            if sock is not None:
+                sock.close()
+
+
+# -- the subscriber's side (`kvshm events`) ---------------------------------------------------
+def connectable(endpoint: str) -> str:
+    """A bound endpoint as a subscriber on this host connects to it
+    (`tcp://*:5557` -> `tcp://127.0.0.1:5557`)."""
+    return endpoint.replace("://*:", "://127.0.0.1:")
+
+
+class EventSubscriber:
+    """Follows a stream: `batches()` yields (seq, [ts, [events], rank]) in
+    sequence order, as plain msgpack-decoded arrays (the wire form).  With a
+    replay endpoint it first fetches the buffered batches from `from_seq`,
+    and fills any later gap from it, so nothing is missed while the
+    publisher's buffer holds it; without one, a gap is reported by
+    `on_gap(first_missing, next_seen)` and skipped."""
+
+    def __init__(self, endpoint: str, *, replay_endpoint: str | None = None,
+                 topic: str = "", from_seq: int | None = None, on_gap=None) -> None:
+        zmq = self._zmq = import_zmq()
+        self._ctx = zmq.Context.instance()
+        self._sub = self._ctx.socket(zmq.SUB)
+        self._sub.setsockopt(zmq.LINGER, 0)
+        self._sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
+        self._sub.connect(connectable(endpoint))
+        self._replay_endpoint = connectable(replay_endpoint) if replay_endpoint else None
+        self._from = from_seq
+        self._on_gap = on_gap
+        self._decode = msgspec.msgpack.Decoder().decode
+
+    def replay(self, start: int, timeout: float = 5.0) -> list[tuple[int, list]]:
+        """The buffered batches from seq `start` (asked of the replay socket).
+        Raises TimeoutError if it does not answer."""
+        zmq = self._zmq
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        try:
+            sock.connect(self._replay_endpoint)
+            sock.send_multipart((b"", start.to_bytes(8, "big")))
+            out = []
+            while True:
+                if not sock.poll(int(timeout * 1000)):
+                    raise TimeoutError(f"no answer from the replay endpoint "
+                                       f"{self._replay_endpoint} in {timeout:g}s")
+                _, seq_bytes, payload = sock.recv_multipart()
+                if seq_bytes == END_SEQ:
+                    return out
+                out.append((int.from_bytes(seq_bytes, "big"), self._decode(payload)))
+        finally:
+            sock.close()
+
+    def batches(self, idle_timeout: float | None = None):
+        """Batches in order until `idle_timeout` seconds pass without one
+        (None: forever)."""
+        # The last seq yielded (None: take the stream from wherever it is).
+        last = None if self._from is None else self._from - 1
+        if self._from is not None and self._replay_endpoint:
+            for seq, batch in self.replay(self._from):
+                last = seq
+                yield seq, batch
+        wait = -1 if idle_timeout is None else int(idle_timeout * 1000)
+        while True:
+            if not self._sub.poll(wait):
+                return
+            _, seq_bytes, payload = self._sub.recv_multipart()
+            seq = int.from_bytes(seq_bytes, "big")
+            if last is not None and seq <= last:
+                continue                       # already replayed
+            if last is not None and seq > last + 1:
+                if self._replay_endpoint:
+                    for s, batch in self.replay(last + 1):
+                        if s < seq:
+                            last = s
+                            yield s, batch
+                if seq > last + 1 and self._on_gap is not None:
+                    self._on_gap(last + 1, seq)
+            last = seq
+            yield seq, self._decode(payload)
+
+    def close(self) -> None:
+        self._sub.close()
