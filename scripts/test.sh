@@ -2,20 +2,53 @@
 # Install kvshm with its test extras, and vLLM's CPU build with kvshm in a
 # second environment (.venv-vllm, reused when it is there: see vllm_env.sh),
 # then run the whole test suite; the vLLM engine tests must run, not skip.
-# Extra arguments go to pytest.  KVSHM_STRESS_EXAMPLES=N lengthens the
-# randomized invariant tests (default: a bounded run that suits CI).
+#
+#   ./scripts/test.sh                 # everything
+#   ./scripts/test.sh tests/test_x.py -k name    # extra arguments go to pytest
+#
+# With no arguments the vLLM environment installs in the background while
+# every other test runs (the install waits on the network and the disk,
+# the tests on the CPUs), then tests/test_vllm.py runs on it: a first run
+# takes minutes less.  KVSHM_STRESS_EXAMPLES=N lengthens the randomized
+# invariant tests (default: a bounded run that suits CI).
 set -euo pipefail
 KVSHM_EXTRAS=test
 source "$(dirname "${BASH_SOURCE[0]}")/_venv.sh"
 cd "$REPO"
-KVSHM_VLLM_PYTHON=$(./scripts/vllm_env.sh | tail -n 1)
-export KVSHM_VLLM_PYTHON KVSHM_REQUIRE_VLLM=1
-set +e
-"$VENV/bin/python" -m pytest "$@"
-status=$?
-set -e
-if [ "$status" -eq 5 ]; then
-  echo "pytest collected no tests: failing on purpose" >&2
+export KVSHM_REQUIRE_VLLM=1
+
+# pytest's exit status, with 5 (nothing collected) made a failure.
+run_pytest() {
+  local status=0
+  "$VENV/bin/python" -m pytest "$@" || status=$?
+  if [ "$status" -eq 5 ]; then
+    echo "pytest collected no tests: failing on purpose" >&2
+    return 1
+  fi
+  return "$status"
+}
+
+if [ "$#" -gt 0 ]; then
+  KVSHM_VLLM_PYTHON=$(./scripts/vllm_env.sh | tail -n 1)
+  export KVSHM_VLLM_PYTHON
+  run_pytest "$@"
+  exit $?
+fi
+
+log=$(mktemp "${TMPDIR:-/tmp}/kvshm-vllm-env.XXXXXX")
+./scripts/vllm_env.sh > "$log" 2>&1 &
+installer=$!
+trap 'kill "$installer" 2>/dev/null || true; rm -f "$log"' EXIT
+status=0
+run_pytest --ignore=tests/test_vllm.py || status=$?
+if ! wait "$installer"; then
+  echo "the vLLM environment did not install:" >&2
+  tail -n 40 "$log" >&2
   exit 1
 fi
-exit "$status"
+KVSHM_VLLM_PYTHON=$(tail -n 1 "$log")
+export KVSHM_VLLM_PYTHON
+vllm_status=0
+run_pytest tests/test_vllm.py || vllm_status=$?
+[ "$status" -ne 0 ] && exit "$status"
+exit "$vllm_status"
