@@ -71,7 +71,7 @@ from kvshm.service import protocol as p  # noqa: E402
 from kvshm.service.framing import encode_frame  # noqa: E402
 from kvshm.service.handshake import make_hello  # noqa: E402
 from kvshm.service.process import CoordinatorProcess  # noqa: E402
-from kvshm.service.sync_client import connect_sync, open_wire_sync  # noqa: E402
+from kvshm.service.sync_client import open_wire_sync  # noqa: E402
 from kvshm.workload import WorkloadSpec  # noqa: E402
 from service_load import (  # noqa: E402
     Recording,
@@ -80,6 +80,8 @@ from service_load import (  # noqa: E402
     bench_inprocess,
     build_frames,
     record_workload,
+    reset_pool,
+    start_coordinator,
     summarize_run,
 )
 
@@ -92,35 +94,6 @@ PRESETS_OK = ("llama-8b", "gemma-hybrid", "jamba-hybrid")
 # =============================================================================
 # The coordinator and a blocking admin connection
 # =============================================================================
-def start_coordinator(config: PoolConfig) -> CoordinatorProcess:
-    """A `kvshm serve` child, ready (CoordinatorProcess.stop: SIGTERM, then
-    SIGKILL after 10 s with its segments removed)."""
-    coord = CoordinatorProcess(config, new_session=True, with_parent=True)
-    try:
-        coord.wait_ready()
-    except BaseException:
-        coord.stop()
-        raise
-    return coord
-
-
-def admin_connection(path):
-    """A blocking admin session (set-up between runs, and the raw floor),
-    on whatever hashing the pool has."""
-    return connect_sync(path, admin=True, hash_algorithm=None)
-
-
-def reset_pool(path) -> None:
-    """Between runs: nothing may be left, and the prefix cache is emptied so
-    the next run's lookups hit exactly as recorded."""
-    with admin_connection(path) as c:
-        st = c.stats()
-        if st.num_requests:
-            raise RuntimeError(f"{st.num_requests} requests left in the pool after a run")
-        if not c.reset_prefix_cache():
-            raise RuntimeError("reset_prefix_cache refused")
-
-
 # =============================================================================
 # 1. single-op latency
 # =============================================================================

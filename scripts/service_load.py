@@ -34,6 +34,8 @@ from kvshm.core.specs import PoolConfig
 from kvshm.service import protocol as p
 from kvshm.service.framing import encode_frame
 from kvshm.service.ops import OpExecutor
+from kvshm.service.process import CoordinatorProcess
+from kvshm.service.sync_client import connect_sync
 from kvshm.workload import EmbeddedBackend, WorkloadSpec, drive
 
 
@@ -395,3 +397,34 @@ def summarize_run(n: int, batch: int, results: list[dict], cpu_s: float) -> dict
         "first_error": next((r["first_error"] for r in results if r["first_error"]), None),
         "hit_mismatches": sum(r["hit_mismatches"] for r in results),
     }
+
+
+# -- coordinators ------------------------------------------------------------------
+def start_coordinator(config: PoolConfig, extra_args: tuple = ()) -> CoordinatorProcess:
+    """A `kvshm serve` child (with `extra_args`), ready (CoordinatorProcess.stop:
+    SIGTERM, then SIGKILL after 10 s with its segments removed)."""
+    coord = CoordinatorProcess(config, extra_args=extra_args, new_session=True,
+                               with_parent=True)
+    try:
+        coord.wait_ready()
+    except BaseException:
+        coord.stop()
+        raise
+    return coord
+
+
+def admin_connection(path):
+    """A blocking admin session (set-up between runs, and the raw floor),
+    on whatever hashing the pool has."""
+    return connect_sync(path, admin=True, hash_algorithm=None)
+
+
+def reset_pool(path) -> None:
+    """Between runs: nothing may be left, and the prefix cache is emptied so
+    the next run's lookups hit exactly as recorded."""
+    with admin_connection(path) as c:
+        st = c.stats()
+        if st.num_requests:
+            raise RuntimeError(f"{st.num_requests} requests left in the pool after a run")
+        if not c.reset_prefix_cache():
+            raise RuntimeError("reset_prefix_cache refused")

@@ -212,3 +212,37 @@ def test_a_pool_of_another_config_is_refused_for_a_trace(sockdir):
     with CoordinatorProcess(make_config(num_blocks=16)) as pool:
         r = kvshm("replay", "--ipc", "--connect", str(pool.socket), str(trace))
     assert r.returncode == 1 and "the pool's config is not the trace's (num_blocks" in r.stdout
+
+
+# -- a session's own events (TakeEvents: the vLLM plugin's take_events) -------------------------
+async def test_a_session_takes_the_events_of_its_own_frames(coordinator, monkeypatch):
+    from helpers import make_config, tokens
+    from kvshm.core.events import BlockRemoved as Removed
+    from kvshm.core.events import decode_events
+    from kvshm.service import ops
+    from kvshm.service import protocol as p
+    from kvshm.service.client import connect
+    coord = await coordinator(make_config(num_blocks=6))      # 5 usable blocks of 4 tokens
+    async with await connect(coord.socket_path) as a, await connect(coord.socket_path) as b:
+        assert await a.take_events() == []                    # starts a's recording
+        await a.add_request("a", tokens(0, 9))
+        await a.allocate_slots("a", 9, 0, use_computed_blocks=True)
+        await a.free("a")
+        await b.add_request("b", tokens(100, 117))            # b's allocation evicts a's blocks
+        await b.allocate_slots("b", 17, 0, use_computed_blocks=True)
+        [stored] = await a.take_events()
+        assert isinstance(stored, BlockStored) and stored.token_ids == tokens(0, 8)
+        assert await a.take_events() == []                     # b's frames are not a's
+        assert await b.take_events() == []                     # b starts now: nothing before
+        await b.free("b")
+        await a.add_request("c", tokens(200, 221))
+        await a.allocate_slots("c", 20, 0, use_computed_blocks=True)   # evicts b's blocks
+        got = await a.take_events()
+        assert any(isinstance(e, Removed) for e in got)
+        assert any(isinstance(e, BlockStored) for e in got)
+        monkeypatch.setattr(ops, "MAX_OWNER_EVENTS", 1)
+        await a.free("c")
+        await a.add_request("d", tokens(300, 321))
+        await a.allocate_slots("d", 20, 0, use_computed_blocks=True)
+        reply = await a.call(p.TakeEvents())
+        assert reply.dropped > 0 and len(decode_events(reply.payload)) == 1

@@ -87,9 +87,13 @@ def test_embedded_pool_generates_what_vllm_s_own_manager_does(model_dir, tmp_pat
     workload = shared_prefix_workload()
     before = kvshm_segments()
     args = ("--num-blocks", "24")
-    own = start_engine(model_dir, workload, tmp_path, "own", pool=None, extra=args)
+    # Both publish their KV events (one hash seed: the same block hashes).
+    seed = {"PYTHONHASHSEED": "0"}
+    own = start_engine(model_dir, workload, tmp_path, "own", pool=None, env=seed,
+                       extra=(*args, "--kv-events", f"ipc://{tmp_path}/own.events"))
     emb = finish(start_engine(model_dir, workload, tmp_path, "embedded", pool="embedded",
-                              extra=args))
+                              env=seed, extra=(*args, "--kv-events",
+                                               f"ipc://{tmp_path}/emb.events")))
     own = finish(own)
     assert own["manager"] == "vllm.v1.core.kv_cache_manager.KVCacheManager"
     assert emb["manager"] == "kvshm.vllm.manager.PoolKVCacheManager"
@@ -98,6 +102,11 @@ def test_embedded_pool_generates_what_vllm_s_own_manager_does(model_dir, tmp_pat
     assert own["counters"]["prefix_cache_hits"] > 0
     assert outputs(emb) == outputs(own)
     assert emb["counters"] == own["counters"]
+    # The plugin's take_events() gave the engine's publisher vLLM's events.
+    kinds = {e[0] for e in own["kv_events"]}
+    assert kinds == {"BlockStored", "BlockRemoved"}, kinds       # it evicted, too
+    assert emb["kv_events"] == own["kv_events"]
+    assert emb["kv_event_seqs"] == own["kv_event_seqs"] == list(range(len(own["kv_event_seqs"])))
     # Distinct outputs: the weights make generation depend on the context.
     assert len({tuple(t) for t, _ in outputs(own).values()}) >= 14
     assert kvshm_segments() == before   # the embedded segment went with the engine
@@ -145,10 +154,19 @@ def test_engines_share_the_pool_the_prefix_cache_and_the_kv_bytes(model_dir, tmp
     from kvshm.core.segment import FLAG_CACHED, PoolSegment
     a_wl, b_wl = prefix_workloads()
     alone = start_engine(model_dir, b_wl, tmp_path, "alone", pool=None)
-    a = run_engine(model_dir, a_wl, tmp_path, "a", pool=str(pool.socket))
-    b = run_engine(model_dir, b_wl, tmp_path, "b", pool=str(pool.socket))
+    a = run_engine(model_dir, a_wl, tmp_path, "a", pool=str(pool.socket),
+                   extra=("--kv-events", f"ipc://{tmp_path}/a.events"))
+    b = run_engine(model_dir, b_wl, tmp_path, "b", pool=str(pool.socket),
+                   extra=("--kv-events", f"ipc://{tmp_path}/b.events"))
     alone = finish(alone)
     assert a["manager"] == b["manager"] == "kvshm.vllm.manager.PoolKVCacheManager"
+    # Each engine publishes the events of its own calls (TakeEvents): A
+    # stored the prefix; B's first block past it has A's last as parent.
+    a_stored = [e for e in a["kv_events"] if e[0] == "BlockStored"]
+    b_stored = [e for e in b["kv_events"] if e[0] == "BlockStored"]
+    assert len(a_stored[0][1]) == 6 and a_stored[0][2] is None
+    assert b_stored[0][2] == a_stored[0][1][5]
+    assert not set(a_stored[0][1]) & {h for e in b_stored for h in e[1]}   # not stored twice
     # B's first request hits the 6 full blocks A computed (another process).
     first = b["requests"][0]
     assert first["num_cached_tokens"] == 6 * BLOCK

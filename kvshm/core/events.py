@@ -99,6 +99,15 @@ class EventBatchIn(EventBatch):
     events: list[AnyEvent]
 
 
+_decode_events = msgspec.msgpack.Decoder(list[AnyEvent]).decode
+
+
+def decode_events(payload: bytes) -> list:
+    """Events from their msgpack wire form (b"": none); 0.14's arrays and
+    later vLLM's longer ones alike (see GroupBlockStored)."""
+    return _decode_events(payload) if payload else []
+
+
 def external_hash(digest: bytes) -> int:
     """A block hash as the stream names it: the low 64 bits, big-endian."""
     return int.from_bytes(digest, "big") & _LOW64
@@ -130,10 +139,20 @@ class EventLog:
         return lid
 
     def stored(self, digests: list[bytes], parent: bytes | None, token_ids: list[int],
-               block_size: int, lora_name: str | None, group: int) -> None:
+               block_size: int, request, group: int) -> None:
+        """`request`: the request that cached the blocks, for its LoRA: a
+        kvshm Request (`lora_name`; ids by first use) or, in a vLLM engine's
+        embedded pool, vLLM's own (`lora_request`: its name and adapter id);
+        None for none."""
+        lora = getattr(request, "lora_request", None)
+        if lora is not None:
+            name, lid = lora.name, lora.adapter_id
+        else:
+            name = getattr(request, "lora_name", None) or None
+            lid = self.lora_id(name)
         args = ([external_hash(d) for d in digests],
                 None if parent is None else external_hash(parent),
-                token_ids, block_size, self.lora_id(lora_name), MEDIUM_GPU, lora_name or None)
+                token_ids, block_size, lid, MEDIUM_GPU, name)
         self.events.append(GroupBlockStored(*args, group_idx=group) if self._groups
                            else BlockStored(*args))
 

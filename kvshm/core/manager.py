@@ -97,7 +97,7 @@ class KVCacheManager:
             log.cleared()
             sizes = [m.block_size for m in self.groups.managers]
             for _, digest, group in cached:
-                log.stored([digest], None, [], sizes[group], None, group)
+                log.stored([digest], None, [], sizes[group], None, group)   # no LoRA known
 
     # -- construction helpers --------------------------------------------------
     def make_hasher(self) -> BlockHasher | None:

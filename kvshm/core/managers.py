@@ -193,7 +193,7 @@ class SingleTypeManager:
             pool.events.stored(
                 stored, hashes[num_cached * k - 1] if num_cached else None,
                 tokens[num_cached * bs:num_full * bs] if tokens is not None else [],
-                bs, request.lora_name, g)
+                bs, request, g)
 
     # -- freeing -------------------------------------------------------------
     def free(self, request_id: str) -> None:

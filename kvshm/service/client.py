@@ -29,6 +29,7 @@ from collections.abc import Sequence
 import msgspec
 
 from kvshm.core.errors import KvshmError
+from kvshm.core.events import decode_events
 from kvshm.core.hashing import DEFAULT_HASH_ALGORITHM, DEFAULT_HASH_SEED
 from kvshm.service import protocol as p
 from kvshm.service.errors import (
@@ -414,6 +415,11 @@ class Client(SessionInfo):
 
     async def stats(self, free_head: int = 0, timeout: float | None = None) -> p.Stats:
         return await self.call(p.GetStats(free_head), timeout)
+
+    async def take_events(self, timeout: float | None = None) -> list:
+        """The KV-cache events this session's frames caused since its last
+        call (kvshm.core.events structs; the first call starts recording)."""
+        return decode_events((await self.call(p.TakeEvents(), timeout)).payload)
 
 
 async def connect(path: str | os.PathLike, *, tenant: str = "", node: int = -1,

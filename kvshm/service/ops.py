@@ -22,6 +22,8 @@ import logging
 
 import secrets
 
+import msgspec
+
 from kvshm.core.errors import (
     DuplicateRequest,
     InvalidArgument,
@@ -47,7 +49,9 @@ log = logging.getLogger("kvshm.coordinator")
 # Counts beyond this are certainly mistakes (and would only feed huge
 # arithmetic); max_model_len bounds every real count far below it.
 MAX_COUNT = 2**31 - 1
+_encode_events = msgspec.msgpack.Encoder().encode
 FREE_HEAD_MAX = 4096
+MAX_OWNER_EVENTS = 100_000   # KV-cache events kept for a session between its TakeEvents
 
 _ALLOC_COUNTS = ("num_new_tokens", "num_new_computed_tokens", "num_lookahead_tokens",
                  "num_external_computed_tokens", "num_encoder_tokens")
@@ -60,7 +64,7 @@ class Owner:
     hold (the free queue)."""
 
     __slots__ = ("id", "tenant", "hasher", "admin", "requests", "record", "seq",
-                 "resume_token")
+                 "resume_token", "events", "events_dropped")
 
     def __init__(self, id: int, tenant: str, hasher, admin: bool = False) -> None:
         self.id = id
@@ -71,6 +75,18 @@ class Owner:
         self.record: int | None = None   # its session record's slot (resumable)
         self.seq = 0                     # frames applied for it
         self.resume_token = ""
+        self.events: list | None = None  # its frames' KV-cache events (once it took some)
+        self.events_dropped = 0
+
+    def add_events(self, events: list) -> None:
+        """Keep events for its next TakeEvents, at most MAX_OWNER_EVENTS (the
+        oldest go first, counted)."""
+        kept = self.events
+        kept.extend(events)
+        over = len(kept) - MAX_OWNER_EVENTS
+        if over > 0:
+            del kept[:over]
+            self.events_dropped += over
 
 
 class ReqState:
@@ -115,6 +131,7 @@ class OpExecutor:
             p.RemoveSkippedBlocks: self._skip, p.GetBlockIds: self._ids,
             p.NumCommonPrefixBlocks: self._common, p.ResetPrefixCache: self._reset,
             p.EvictBlocks: self._evict, p.GetStats: self._stats,
+            p.TakeEvents: self._take_events,
         }
 
     # -- owners --------------------------------------------------------------------------
@@ -470,6 +487,26 @@ class OpExecutor:
         return p.Stats(self.config.num_blocks, pool.num_free_blocks, pool.num_cached_blocks,
                        pool.get_usage(), len(self.mgr.table), len(self.owners),
                        q, h, qt, ht, head)
+
+    # -- KV-cache events ------------------------------------------------------------------
+    def _take_events(self, owner: Owner, op: p.TakeEvents):
+        if owner.events is None:         # from now on its frames' events are kept
+            owner.events = []
+            if self.mgr.events is None:  # nobody recorded them yet
+                self.mgr.enable_events()
+                self.mgr.take_events()   # (an adopted pool's restatement is not its own)
+        out, owner.events = owner.events, []
+        dropped, owner.events_dropped = owner.events_dropped, 0
+        return p.Events(_encode_events(out) if out else b"", dropped)
+
+    def route_events(self, owner: Owner | None) -> list:
+        """The KV-cache events recorded since the last call, which the frame
+        `owner` just ran caused: kept for `owner` if it takes its own, and
+        returned (for the pool's publisher)."""
+        events = self.mgr.take_events()
+        if events and owner is not None and owner.events is not None:
+            owner.add_events(events)
+        return events
 
 
 def _need_admin(owner: Owner, what: str) -> None:

@@ -13,8 +13,8 @@ from typing import Union
 
 import msgspec
 
-PROTOCOL_VERSION = 4   # 2: Welcome.arena_segment, Admit; 3: admin and resumable sessions;
-                       # 4: Error.fields
+PROTOCOL_VERSION = 5   # 2: Welcome.arena_segment, Admit; 3: admin and resumable sessions;
+                       # 4: Error.fields; 5: TakeEvents
 MAX_BATCH_OPS = 4096
 
 
@@ -143,9 +143,15 @@ class GetStats(_Op, tag="stats"):
     free_head: int = 0   # also return this many free-queue ids (eviction order)
 
 
+class TakeEvents(_Op, tag="take_events"):
+    """The KV-cache events this session's frames caused since its last
+    TakeEvents (the first one starts the recording), as a vLLM engine's
+    `take_events()` returns its manager's."""
+
+
 OPS = (AddRequest, Advance, GetComputedBlocks, AllocateSlots, Admit, CacheBlocks, Free,
        RemoveSkippedBlocks, GetBlockIds, NumCommonPrefixBlocks, ResetPrefixCache,
-       EvictBlocks, GetStats)
+       EvictBlocks, GetStats, TakeEvents)
 Op = Union[OPS]
 
 
@@ -217,6 +223,11 @@ class Stats(_Op, tag="stats"):
     free_head: list[int] = []
 
 
+class Events(_Op, tag="events"):
+    payload: bytes = b""   # msgpack list of kvshm.core.events events (their wire form)
+    dropped: int = 0       # events not kept (the session took none for too long)
+
+
 class Error(_Op, tag="error"):
     code: str
     message: str
@@ -231,7 +242,7 @@ class Shutdown(_Op, tag="shutdown"):
 
 
 REPLIES = (Done, ComputedBlocks, Allocated, Admitted, FreeBlocks, BlockIds, CommonPrefix,
-           ResetResult, Stats, Error)
+           ResetResult, Stats, Events, Error)
 Reply = Union[REPLIES]
 
 

@@ -278,11 +278,13 @@ class Coordinator:
             self.executor.close_owner(s.owner)
             self.publish_events()
 
-    def publish_events(self) -> None:
-        """Send the KV-cache events recorded since the last call, as one batch."""
-        if self.publisher is not None:
-            events = self.mgr.take_events()
-            if events:
+    def publish_events(self, s: Session | None = None) -> None:
+        """Route the KV-cache events recorded since the last call (the work
+        of session `s`'s last frame: to it, if it takes its own) and send
+        them as one batch."""
+        if self.mgr.events is not None:
+            events = self.executor.route_events(s.owner if s is not None else None)
+            if events and self.publisher is not None:
                 self.publisher.publish(events)
 
     # -- frames --------------------------------------------------------------------------------
@@ -306,8 +308,8 @@ class Coordinator:
         if msg.__class__ is p.Hello:
             return encode_frame(p.Error(ProtocolError.code, "Hello was already received"))
         reply = self.executor.execute_frame(s.owner, msg)
-        if self.publisher is not None:
-            self.publish_events()
+        if self.mgr.events is not None:
+            self.publish_events(s)
         return reply
 
     def _handshake(self, s: Session, hello: p.Hello) -> msgspec.Struct:

@@ -27,6 +27,7 @@ from collections.abc import Sequence
 import msgspec
 
 from kvshm.core.errors import KvshmError
+from kvshm.core.events import decode_events
 from kvshm.core.hashing import DEFAULT_HASH_ALGORITHM, DEFAULT_HASH_SEED
 from kvshm.service import protocol as p
 from kvshm.service.errors import (
@@ -352,6 +353,11 @@ class SyncClient(SessionInfo):
 
     def stats(self, free_head: int = 0, timeout: float | None = None) -> p.Stats:
         return self.call(p.GetStats(free_head), timeout)
+
+    def take_events(self, timeout: float | None = None) -> list:
+        """The KV-cache events this session's frames caused since its last
+        call (kvshm.core.events structs; the first call starts recording)."""
+        return decode_events(self.call(p.TakeEvents(), timeout).payload)
 
 
 def connect_sync(path: str | os.PathLike, *, tenant: str = "", node: int = -1,

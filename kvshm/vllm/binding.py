@@ -49,6 +49,8 @@ class Backend(Protocol):
     def get_num_common_prefix_blocks(self, request_id: str) -> list[int]: ...
     def get_block_ids(self, request_id: str) -> list[list[int]]: ...
     def cache_blocks(self, request, num_computed_tokens: int) -> None: ...
+    def start_events(self) -> None: ...
+    def take_events(self) -> list: ...
     def close(self) -> None: ...
 
 
@@ -71,6 +73,12 @@ class EmbeddedBackend:
 
     def usage(self) -> float:
         return self.manager.usage
+
+    def start_events(self) -> None:
+        self.manager.enable_events()
+
+    def take_events(self) -> list:
+        return self.manager.take_events()
 
     def close(self) -> None:
         self.manager.close()

@@ -69,6 +69,10 @@ def build_llm(args):
               disable_log_stats=False, dtype=args.dtype)
     if args.num_blocks:
         kw["num_gpu_blocks_override"] = args.num_blocks
+    if args.kv_events:
+        from vllm.config import KVEventsConfig
+        kw["kv_events_config"] = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",
+                                                endpoint=args.kv_events)
     llm = LLM(**kw)
     llm.apply_model(lambda m: reinit_weights(m, args.weight_seed, args.weight_scale))
     return llm
@@ -106,6 +110,7 @@ def run(args) -> dict:
     if args.go_file:
         while not os.path.exists(args.go_file):
             time.sleep(0.005)
+    listener = _Listener(args.kv_events) if args.kv_events else None
     results = []
     t1 = time.perf_counter()
     for i, phase in enumerate(workload["phases"]):
@@ -123,9 +128,42 @@ def run(args) -> dict:
                             "ttft_s": getattr(m, "first_token_latency", None)})
         if args.phase_done:
             Path(f"{args.phase_done}.{i}").touch()
-    return {"pool": os.environ.get("KVSHM_POOL", ""), "startup_s": startup,
-            "elapsed_s": time.perf_counter() - t1, "requests": results,
-            "counters": counters(llm), "manager": manager_name(llm)}
+    report = {"pool": os.environ.get("KVSHM_POOL", ""), "startup_s": startup,
+              "elapsed_s": time.perf_counter() - t1, "requests": results,
+              "counters": counters(llm), "manager": manager_name(llm)}
+    if listener is not None:
+        report["kv_events"], report["kv_event_seqs"] = listener.stop()
+    return report
+
+
+class _Listener:
+    """What the engine's own KV-event publisher sent (`--kv-events`): a
+    subscriber thread, connected before the first phase."""
+
+    def __init__(self, endpoint: str) -> None:
+        import threading
+
+        from kvshm.service.events import EventSubscriber
+        self.sub = EventSubscriber(endpoint)
+        self.events: list = []
+        self.seqs: list[int] = []
+        self._stop = False
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+        time.sleep(0.5)          # the subscription reaches the publisher
+
+    def _run(self) -> None:
+        while not self._stop:
+            for seq, batch in self.sub.batches(idle_timeout=0.1):
+                self.seqs.append(seq)
+                self.events.extend(batch[1])
+
+    def stop(self) -> tuple[list, list[int]]:
+        time.sleep(0.5)          # the last step's batch is on its way
+        self._stop = True
+        self.thread.join(5)
+        self.sub.close()
+        return self.events, self.seqs
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -147,6 +185,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ready-file", help="touch this file once the engine is built")
     ap.add_argument("--go-file", help="then wait for this file before the first phase")
     ap.add_argument("--phase-done", help="touch PREFIX.<phase> after each phase")
+    ap.add_argument("--kv-events", metavar="ENDPOINT",
+                    help="turn the engine's KV events on, published (bound) at ENDPOINT, "
+                    "and report what it sent")
     args = ap.parse_args(argv)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")

@@ -15,6 +15,7 @@ from vllm.v1.core.kv_cache_manager import KVCacheBlocks
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
 from vllm.v1.metrics.stats import PrefixCacheStats
 
+from kvshm.core.events import BlockRemoved, BlockStored
 from kvshm.vllm.binding import Backend, current_binding
 
 
@@ -49,6 +50,12 @@ class PoolKVCacheManager:
             dcp_world_size=dcp_world_size, pcp_world_size=pcp_world_size)
         block = _block_class(backend)
         self._blocks = [block(i, is_null=(i == 0)) for i in range(backend.num_blocks)]
+        # KV-cache events: what this engine's own calls cached and evicted,
+        # as vLLM's manager reports them (a shared pool's whole stream is
+        # the coordinator's --kv-events-config).
+        self.enable_kv_cache_events = enable_kv_cache_events
+        if enable_kv_cache_events:
+            backend.start_events()
         self.empty_kv_cache_blocks = KVCacheBlocks(
             tuple(() for _ in range(self.num_kv_cache_groups)))
 
@@ -120,7 +127,9 @@ class PoolKVCacheManager:
         return self.backend.get_num_common_prefix_blocks(running_request_id)
 
     def take_events(self) -> list:
-        return []
+        if not self.enable_kv_cache_events:
+            return []
+        return [_vllm_event(e) for e in self.backend.take_events()]
 
     def get_blocks(self, request_id: str) -> KVCacheBlocks:
         return self.create_kv_cache_blocks(self.backend.get_block_ids(request_id))
@@ -131,3 +140,18 @@ class PoolKVCacheManager:
     def cache_blocks(self, request, num_computed_tokens: int) -> None:
         if self.enable_caching:
             self.backend.cache_blocks(request, num_computed_tokens)
+
+
+def _vllm_event(event):
+    """A kvshm event (kvshm.core.events) as vLLM's own struct, which the
+    engine's publisher encodes: the same fields, in the same order."""
+    from vllm.distributed import kv_events as ve
+    if isinstance(event, BlockStored):
+        return ve.BlockStored(block_hashes=event.block_hashes,
+                              parent_block_hash=event.parent_block_hash,
+                              token_ids=event.token_ids, block_size=event.block_size,
+                              lora_id=event.lora_id, medium=event.medium,
+                              lora_name=event.lora_name)
+    if isinstance(event, BlockRemoved):
+        return ve.BlockRemoved(block_hashes=event.block_hashes, medium=event.medium)
+    return ve.AllBlocksCleared()

@@ -188,6 +188,12 @@ class RemoteBackend:
                             f"{e} (KVSHM_ADMIN=1 connects as admin)")
             return False
 
+    def start_events(self) -> None:
+        self.client.take_events()          # the coordinator keeps ours from now on
+
+    def take_events(self) -> list:
+        return self.client.take_events()
+
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:
             self._warned.add(key)
