@@ -77,8 +77,10 @@ def test_kvshm_run_works_from_the_installed_wheel(wheel, tmp_path):
                             "print(kvshm.workers.__file__, importlib.util.find_spec('workers'))"],
                            cwd=tmp_path, env=env, capture_output=True, text=True, check=True)
     assert probe.stdout.split() == [str(site / "kvshm/workers/__init__.py"), "None"]
-    run = subprocess.run([sys.executable, "-m", "kvshm", "run", "--duration", "2", "--grace",
-                          "5", "--workers", "2", "--quiet", "--no-pin"],
+    # A fixed amount of work (a 2 s run on a loaded CI host finished none).
+    run = subprocess.run([sys.executable, "-m", "kvshm", "run", "--requests", "4",
+                          "--duration", "120", "--grace", "10", "--kv-memory", "64M",
+                          "--workers", "2", "--quiet", "--no-pin"],
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     assert "result: OK" in run.stdout

@@ -451,7 +451,7 @@ def test_workers_ride_through_coordinator_kills(tmp_path):
     adopts the pool; the workers resume, nothing is recomputed, OK."""
     before = kvshm_segments()
     out = tmp_path / "out.json"
-    proc = subprocess.run([*RUN, "--workers", "2", "--duration", "5", "--grace", "3",
+    proc = subprocess.run([*RUN, "--workers", "2", "--duration", "6", "--grace", "3",
                            "--kill-coordinator-every", "1.2", *LIGHT, "--json", str(out)],
                           capture_output=True, text=True, timeout=TIMEOUT)
     assert proc.returncode == 0, proc.stdout + proc.stderr

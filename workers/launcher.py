@@ -175,6 +175,7 @@ class Launch:
         self.config = opts.config
         self.pool_names: list[str] = []      # the joined pool's segment (--connect)
         self.restarts: list[dict] = []       # coordinator restarts by this supervisor
+        self._restarting = 0                 # restarts under way (not listening yet)
         self.started_at: float | None = None   # time.time() when start_together let them go
         self._arrived: set[int] = set()
         self.turns: TurnBoard | None = None   # when follow-up turns may arrive
@@ -220,6 +221,7 @@ class Launch:
                 died = time.monotonic()
                 code = c.proc.returncode
                 rec = {"at_s": round(died - self._t0, 3), "exit": _exit_text(code)}
+                self._restarting += 1
                 try:
                     c.restart(wait=False)    # from this thread: PDEATHSIG follows it
                     await asyncio.to_thread(c.wait_ready)
@@ -233,13 +235,20 @@ class Launch:
                 except Exception as e:   # noqa: BLE001 - reported, the run fails
                     rec["error"] = f"{type(e).__name__}: {e}"
                     rec["check_clean"] = False
+                finally:
+                    self._restarting -= 1
                 self.restarts.append(rec)
                 if "error" in rec:
                     return
 
     async def _kill_coordinator_every(self, every: float) -> None:
+        """SIGKILL each coordinator every `every` s, but never one still
+        coming back from the last kill (the supervisor would give up on a
+        coordinator that dies before it listens)."""
         while True:
             await asyncio.sleep(every)
+            if self._restarting:
+                continue
             for c in self.coordinators:
                 if c.proc.poll() is None:
                     c.proc.kill()
@@ -424,9 +433,10 @@ class Launch:
                          restarts=self.restarts, timeline=self.timeline)
 
     async def _coordinators_up(self, timeout: float = 30.0) -> None:
-        """Wait (bounded) for the supervisor to bring a killed coordinator back."""
+        """Wait (bounded) for the supervisor to bring a killed coordinator back
+        (listening again and checked, not only started)."""
         deadline = time.monotonic() + timeout
-        while (any(c.proc.poll() is not None for c in self.coordinators)
+        while ((self._restarting or any(c.proc.poll() is not None for c in self.coordinators))
                and time.monotonic() < deadline and not self.interrupted.is_set()):
             await asyncio.sleep(0.05)
 
