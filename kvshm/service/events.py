@@ -11,13 +11,14 @@ socket (ROUTER, bound at `replay_endpoint`) answers a request `[start_seq
 `[seq, payload]`, then `[-1 (8 bytes, signed), b""]`; it keeps the last
 `buffer_steps` batches.
 
-The event loop never waits for the network: `publish()` puts the batch on
-a bounded queue (`max_queue_size` batches) that a thread drains; a full
-queue drops the batch (counted).  The thread sends on an XPUB socket with
+The event loop never waits for the network: `publish()` numbers the batch
+and puts it on a bounded queue (`max_queue_size` batches) that a thread
+drains; a full queue drops the batch (counted; its seq is spent, so
+subscribers see the gap).  The thread sends on an XPUB socket with
 XPUB_NODROP, so a batch refused at the high-water mark `hwm` (a subscriber
 that does not keep up) is counted as dropped too, instead of vanishing as
-on a PUB socket; either way the batch still enters the replay buffer under
-its seq, so a subscriber that sees a gap can fetch what it missed.
+on a PUB socket, and still enters the replay buffer under its seq: a
+subscriber that sees that gap can fetch what it missed.
 """
 
 from __future__ import annotations
@@ -135,20 +136,29 @@ class EventPublisher:
                               f": {e}") from None
         self._running = True
         self._abandon = False
+        self._next_seq = 0          # given by publish(), in the event loop's order
         self._thread = threading.Thread(target=self._run, name="kvshm-events", daemon=True)
         self._thread.start()
 
     def publish(self, events: list[Event]) -> None:
         """Queue one batch (never blocks: a full queue drops it, counted)."""
+        seq = self._next_seq
+        self._next_seq += 1
         try:
-            self._queue.put_nowait(EventBatch(time.time(), events, self.rank))
+            self._queue.put_nowait((seq, EventBatch(time.time(), events, self.rank)))
         except queue.Full:
+            # Lost, but its seq is spent: subscribers see the gap.
+            if not self.dropped:
+                log.warning("KV events: the publisher's queue is full (%d batches): "
+                            "dropping batches (a gap in the sequence numbers)",
+                            self.config.max_queue_size)
             self.dropped += 1
             self.dropped_events += len(events)
 
     def stats(self) -> dict[str, int]:
-        return {"published_batches": self.published, "dropped_batches": self.dropped,
-                "dropped_events": self.dropped_events, "queued_batches": self._queue.qsize()}
+        return {"numbered_batches": self._next_seq, "published_batches": self.published,
+                "dropped_batches": self.dropped, "dropped_events": self.dropped_events,
+                "queued_batches": self._queue.qsize()}
 
     def close(self) -> None:
         """Send what is queued (for up to `linger` s), then close."""
@@ -164,6 +174,11 @@ class EventPublisher:
             self._abandon = True
             self._thread.join(1.0)
         self._close_sockets()
+        st = self.stats()
+        (log.warning if st["dropped_batches"] else log.info)(
+            "KV events: %d batch(es) published, %d dropped (%d events; a full queue or "
+            "the high-water mark), %d never sent", st["published_batches"],
+            st["dropped_batches"], st["dropped_events"], st["queued_batches"])
 
     # -- the thread --------------------------------------------------------------------------
     def _run(self) -> None:
@@ -173,7 +188,6 @@ class EventPublisher:
         poller.register(self._pub, zmq.POLLIN)          # subscriptions arrive here
         if self._replay is not None:
             poller.register(self._replay, zmq.POLLIN)
-        seq = 0
         while not self._abandon:
             try:
                 for sock, _ in poller.poll(0):
@@ -197,9 +211,10 @@ class EventPublisher:
                     batches.append(self._queue.get_nowait())
             except queue.Empty:
                 pass
-            for batch in batches:
-                if batch is None:
+            for item in batches:
+                if item is None:
                     return
+                seq, batch = item
                 payload = encode(batch)
                 seq_bytes = seq.to_bytes(8, "big")
                 try:
@@ -213,7 +228,6 @@ class EventPublisher:
                     self.dropped += 1
                     self.dropped_events += len(batch.events)
                 self._buffer.append((seq, payload))
-                seq += 1
 
     def _answer_replay(self) -> None:
         zmq = self._zmq
