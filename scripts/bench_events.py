@@ -22,7 +22,6 @@ import json
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -30,7 +29,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from kvshm.core.specs import FullSpec, PoolConfig  # noqa: E402
-from kvshm.service.events import EventSubscriber  # noqa: E402
+from kvshm.service.events import EventCollector  # noqa: E402
 from kvshm.workload import WorkloadSpec  # noqa: E402
 from service_load import (  # noqa: E402
     Workers,
@@ -41,28 +40,6 @@ from service_load import (  # noqa: E402
 )
 
 TARGET = 0.9
-
-
-class Drain:
-    """A subscriber thread that reads (and counts) every batch."""
-
-    def __init__(self, endpoint: str) -> None:
-        self.sub = EventSubscriber(endpoint)
-        self.batches = self.events = 0
-        self._stop = False
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        while not self._stop:
-            for _, batch in self.sub.batches(idle_timeout=0.2):
-                self.batches += 1
-                self.events += len(batch[1])
-
-    def close(self) -> None:
-        self._stop = True
-        self.thread.join(2)
-        self.sub.close()
 
 
 def main() -> int:
@@ -95,7 +72,7 @@ def main() -> int:
     try:
         coords["off"] = start_coordinator(config)
         coords["on"] = start_coordinator(config, ("--kv-events-config", json.dumps(kv)))
-        drain = None if args.no_subscriber else Drain(kv["endpoint"])
+        drain = None if args.no_subscriber else EventCollector(kv["endpoint"], keep=False)
         workers = Workers(recs, config)
         for rnd in range(args.rounds):
             order = ("off", "on") if rnd % 2 == 0 else ("on", "off")
@@ -116,7 +93,7 @@ def main() -> int:
         if workers is not None:
             workers.stop()
         if drain is not None:
-            drain.close()
+            drain.stop()
         for coord in coords.values():
             coord.stop()
     rows = []
@@ -126,8 +103,8 @@ def main() -> int:
         rows.append({"clients": n, "batch": b, "ops_per_s_off": statistics.median(off),
                      "ops_per_s_on": statistics.median(on), "ratio": ratio,
                      "rounds_off": off, "rounds_on": on})
-    got = (f"the events subscriber got {drain.batches:,} batches, {drain.events:,} events"
-           if drain is not None else "no subscriber")
+    got = (f"the events subscriber got {drain.num_batches:,} batches, "
+           f"{drain.num_events:,} events" if drain is not None else "no subscriber")
     print(f"\nKV events on vs off (median of {args.rounds} rounds; {got})")
     print("  clients batch    off ops/s     on ops/s  ratio")
     for r in rows:
@@ -138,8 +115,8 @@ def main() -> int:
           f"{TARGET})")
     out = {"benchmark": "events", "rows": rows, "worst_ratio": worst, "target": TARGET,
            "subscriber": drain is not None,
-           "subscriber_batches": drain.batches if drain else 0,
-           "subscriber_events": drain.events if drain else 0}
+           "subscriber_batches": drain.num_batches if drain else 0,
+           "subscriber_events": drain.num_events if drain else 0}
     path = Path(args.json)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=2))

@@ -179,15 +179,14 @@ class SingleTypeManager:
         pool, g = self.pool, self.group_id
         # A request may hold fewer blocks than `num_tokens` covers: cache
         # what it holds.
-        stored = []
         for i in range(num_cached, min(num_full, len(blocks))):
             b = blocks[i]
             if b:  # null placeholders (out of window) are never cached
-                h = hashes[i * k + k - 1]
-                pool.cache_block(b, h, g)
-                stored.append(h)
+                pool.cache_block(b, hashes[i * k + k - 1], g)
         self._set_num_cached(rid, num_full)
-        if pool.events is not None:
+        if pool.events is not None:   # (off the hot path when nobody records events)
+            stored = [hashes[i * k + k - 1] for i in range(num_cached, min(num_full, len(blocks)))
+                      if blocks[i]]
             bs = self.block_size
             tokens = request.all_token_ids
             pool.events.stored(

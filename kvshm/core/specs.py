@@ -428,7 +428,7 @@ def attention_types(groups: tuple[GroupSpec, ...]) -> list[tuple[GroupSpec, list
     return out
 
 
-def _is_hash_seed(seed: str) -> bool:
+def is_pythonhashseed(seed: str) -> bool:
     """Whether `seed` is a value Python accepts as PYTHONHASHSEED."""
     return seed.isascii() and seed.isdigit() and int(seed) < 2**32
 
@@ -438,7 +438,7 @@ def check_engine_hash_seed(config: PoolConfig) -> None:
     the engines' PYTHONHASHSEED, which Python accepts only as an integer in
     [0, 4294967295].  (A pool that replays traces may hash with any seed,
     e.g. the oracle's `kvshm-oracle-0`.)  Raises ConfigError otherwise."""
-    if config.hash_algorithm in VLLM_HASH_ALGORITHMS and not _is_hash_seed(config.hash_seed):
+    if config.hash_algorithm in VLLM_HASH_ALGORITHMS and not is_pythonhashseed(config.hash_seed):
         raise ConfigError(
             "hash_seed", "a vLLM hash algorithm's seed is the engines' PYTHONHASHSEED: an "
             f"integer in [0, 4294967295] (got {config.hash_seed!r})")

@@ -327,3 +327,34 @@ class EventSubscriber:
 
     def close(self) -> None:
         self._sub.close()
+
+
+class EventCollector:
+    """A thread following a stream (`EventSubscriber`) from now until
+    `stop()`: the batches' seqs and events, in order, or only their counts
+    (`keep=False`, for a long benchmark)."""
+
+    def __init__(self, endpoint: str, *, keep: bool = True) -> None:
+        import threading
+        self.sub = EventSubscriber(endpoint)
+        self.keep = keep
+        self.seqs: list[int] = []
+        self.events: list = []
+        self.num_batches = self.num_events = 0
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="kvshm-events-in", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop:
+            for seq, batch in self.sub.batches(idle_timeout=0.1):
+                self.num_batches += 1
+                self.num_events += len(batch[1])
+                if self.keep:
+                    self.seqs.append(seq)
+                    self.events.extend(batch[1])
+
+    def stop(self) -> None:
+        self._stop = True
+        self._thread.join(5)
+        self.sub.close()

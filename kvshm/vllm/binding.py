@@ -21,7 +21,7 @@ from typing import Protocol
 from kvshm.core.errors import ConfigError, PoolRefused
 from kvshm.core.hashing import BlockHasher, VLLM_HASH_ALGORITHMS
 from kvshm.core.manager import KVCacheManager
-from kvshm.core.specs import PoolConfig
+from kvshm.core.specs import PoolConfig, is_pythonhashseed
 
 log = logging.getLogger("kvshm.vllm")
 
@@ -118,8 +118,7 @@ class PoolBinding:
                    f"own {pool_algorithm!r}, which no vLLM engine computes)")
             raise PoolRefused(f"the engine hashes with {vllm_algo!r} (kvshm {algo!r}), the "
                               f"pool with {pool_algorithm!r}: {fix}")
-        if pool_seed is not None and not (pool_seed.isascii() and pool_seed.isdigit()
-                                          and int(pool_seed) < 2**32):
+        if pool_seed is not None and not is_pythonhashseed(pool_seed):
             raise PoolRefused(
                 f"the pool hashes with seed {pool_seed!r}, which no vLLM engine can use (its "
                 "PYTHONHASHSEED must be an integer in [0, 4294967295]): serve the pool with "

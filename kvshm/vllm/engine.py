@@ -110,7 +110,11 @@ def run(args) -> dict:
     if args.go_file:
         while not os.path.exists(args.go_file):
             time.sleep(0.005)
-    listener = _Listener(args.kv_events) if args.kv_events else None
+    listener = None
+    if args.kv_events:
+        from kvshm.service.events import EventCollector
+        listener = EventCollector(args.kv_events)
+        time.sleep(0.5)          # the subscription reaches the engine's publisher
     results = []
     t1 = time.perf_counter()
     for i, phase in enumerate(workload["phases"]):
@@ -132,38 +136,10 @@ def run(args) -> dict:
               "elapsed_s": time.perf_counter() - t1, "requests": results,
               "counters": counters(llm), "manager": manager_name(llm)}
     if listener is not None:
-        report["kv_events"], report["kv_event_seqs"] = listener.stop()
-    return report
-
-
-class _Listener:
-    """What the engine's own KV-event publisher sent (`--kv-events`): a
-    subscriber thread, connected before the first phase."""
-
-    def __init__(self, endpoint: str) -> None:
-        import threading
-
-        from kvshm.service.events import EventSubscriber
-        self.sub = EventSubscriber(endpoint)
-        self.events: list = []
-        self.seqs: list[int] = []
-        self._stop = False
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
-        time.sleep(0.5)          # the subscription reaches the publisher
-
-    def _run(self) -> None:
-        while not self._stop:
-            for seq, batch in self.sub.batches(idle_timeout=0.1):
-                self.seqs.append(seq)
-                self.events.extend(batch[1])
-
-    def stop(self) -> tuple[list, list[int]]:
         time.sleep(0.5)          # the last step's batch is on its way
-        self._stop = True
-        self.thread.join(5)
-        self.sub.close()
-        return self.events, self.seqs
+        listener.stop()
+        report["kv_events"], report["kv_event_seqs"] = listener.events, listener.seqs
+    return report
 
 
 def main(argv: list[str] | None = None) -> int:
