@@ -6,7 +6,9 @@ The public API, re-exported here (pinned by tests/test_public_api.py):
   `SlidingWindowSpec`, `ChunkedLocalSpec`, `MambaSpec`, `CrossAttentionSpec`),
   `KVShape` (the KV arena's shape; the arena itself is `kvshm.arena.KVArena`,
   not imported here so that `import kvshm` needs no numpy)
-- `KVCacheManager` (embedded mode), `Request`, `BlockHasher`
+- `KVCacheManager` (embedded mode), `Request`, `BlockHasher`,
+  `MultiModalFeature` (a prompt's multimodal item, for `Request` and the
+  clients' `add_request`)
 - `PoolSegment` (the shared-memory pool state) and `check_segment`
 - the coordinator's clients: `connect` / `Client` (asyncio) and
   `connect_sync` / `SyncClient` (blocking)
@@ -15,6 +17,7 @@ The public API, re-exported here (pinned by tests/test_public_api.py):
 
 from kvshm.core.check import CheckReport, check_segment
 from kvshm.core.errors import (
+    BadMultimodalInput,
     ConfigError,
     DuplicateRequest,
     InvalidArgument,
@@ -27,6 +30,7 @@ from kvshm.core.errors import (
     ShmSpaceError,
     UnknownRequest,
 )
+from kvshm.core.extra_keys import MultiModalFeature
 from kvshm.core.hashing import BlockHasher, hash_fingerprint
 from kvshm.core.manager import KVCacheManager
 from kvshm.core.request import Request
@@ -69,6 +73,7 @@ def __getattr__(name: str):
 __version__ = "0.1.0"
 
 __all__ = [
+    "BadMultimodalInput",
     "BatchTooLarge",
     "BlockHasher",
     "CheckReport",
@@ -91,6 +96,7 @@ __all__ = [
     "KVShape",
     "KvshmError",
     "MLASpec",
+    "MultiModalFeature",
     "MambaSpec",
     "NoFreeBlocks",
     "NotOwner",

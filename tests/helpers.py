@@ -6,7 +6,7 @@ import asyncio
 import os
 import time
 
-from kvshm import FullSpec, KVCacheManager, PoolConfig, Request
+from kvshm import BlockHasher, FullSpec, KVCacheManager, PoolConfig, Request
 from kvshm.core.check import check_segment
 from kvshm.core.segment import SHM_DIR, segment_info
 
@@ -17,6 +17,22 @@ def make_config(groups=(FullSpec(4),), num_blocks: int = 10, **changes) -> PoolC
                 groups=tuple(groups))
     base.update(changes)
     return PoolConfig(**base)
+
+
+def replay_case(case: dict) -> list[list[str]]:
+    """The block hashes kvshm's Request gives a case recorded by
+    scripts/record_vllm_hashes.py, step by step."""
+    h = BlockHasher(case["algorithm"], case["seed"], case["block_size"])
+    embeds = bytes.fromhex(case["prompt_embeds"]) if case["prompt_embeds"] else None
+    prompt = case["prompt"] if case["prompt"] is not None else [0] * case["prompt_len"]
+    r = Request("r", prompt, h, lora_name=case["lora_name"], cache_salt=case["cache_salt"],
+                mm_features=case["mm_features"], prompt_embeds=embeds)
+    steps = [[x.hex() for x in r.block_hashes]]
+    for chunk in case["appends"]:
+        n = len(r.block_hashes)
+        r.append_token_ids(chunk)
+        steps.append([x.hex() for x in r.block_hashes[n:]])
+    return steps
 
 
 def tokens(start: int, stop: int) -> list[int]:

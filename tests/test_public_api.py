@@ -5,7 +5,7 @@ import kvshm
 EXPECTED = {
     "BlockHasher", "CheckReport", "ChunkedLocalSpec", "ConfigError", "CrossAttentionSpec",
     "DuplicateRequest", "FullSpec", "InvalidArgument", "KVCacheManager", "KVShape",
-    "KvshmError",
+    "KvshmError", "BadMultimodalInput", "MultiModalFeature",
     "MLASpec", "MambaSpec", "NoFreeBlocks", "PoolConfig", "PoolRefused", "PoolSegment", "Request",
     "RequestTableFull", "RequestTooLong", "SegmentError", "ShmSpaceError", "SinkFullSpec",
     "SlidingWindowSpec", "UnknownRequest", "check_segment", "hash_fingerprint",

@@ -329,3 +329,19 @@ def test_vllm_specs_and_hashing_refusals_inside_vllm():
     assert "prefix_caching_hash_algo='sha256_cbor'" in out["cbor_pool"]
     assert "seed 'kvshm-oracle-0', which no vLLM engine can use" in out["oracle_seed"]
     assert out["given_seed"] == ["vllm-sha256-cbor", "42"] and out["env_seed"] == "42"
+
+
+def test_kvshm_hashes_fresh_multimodal_requests_as_vllm_does(tmp_path):
+    """Beside the stored vectors: new random requests (items, embeds, LoRA,
+    salt, appends), hashed by vLLM's own code in its environment now."""
+    from helpers import replay_case
+    seed = int.from_bytes(os.urandom(4), "big")
+    out = tmp_path / "vectors.json"
+    proc = subprocess.run([str(VLLM_PYTHON), str(REPO / "scripts" / "record_vllm_hashes.py"),
+                           str(out), "--seed", str(seed), "--random", "60"],
+                          capture_output=True, text=True, timeout=ENGINE_TIMEOUT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    cases = json.loads(out.read_text())["cases"]
+    assert len(cases) > 200
+    wrong = [c["name"] for c in cases if replay_case(c) != c["block_hashes"]]
+    assert not wrong, f"seed {seed}: {wrong}"

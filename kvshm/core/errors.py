@@ -52,6 +52,14 @@ class InvalidArgument(KvshmError, ValueError):
     code = "BAD_ARGUMENT"
 
 
+class BadMultimodalInput(InvalidArgument):
+    """A request's multimodal placeholders or prompt embeds are malformed
+    (overlapping or out-of-range placeholders, an identifier that is not a
+    string, embeddings that do not split into one row per prompt token)."""
+
+    code = "BAD_MM_INPUT"
+
+
 class UnknownRequest(KvshmError, KeyError):
     """An operation names a request id that does not exist."""
 

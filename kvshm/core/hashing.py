@@ -1,8 +1,9 @@
 """Chained block hashes for prefix caching, and the hash fingerprint.
 
 hash(block i) = H(hash(block i-1), tokens of block i, extra keys of block i),
-with a seed-derived hash standing in for hash(block -1).  Extra keys are the
-LoRA name (on every block) and the cache salt (on block 0 only).
+with a seed-derived hash standing in for hash(block -1).  Extra keys (the
+LoRA name, multimodal items, the cache salt, prompt embeds) are per block:
+`kvshm.core.extra_keys`.
 
 Two families of algorithms:
 
@@ -25,6 +26,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvshm.core.errors import ConfigError, InvalidArgument
+from kvshm.core.extra_keys import ExtraKeys, MultiModalFeature
 
 HASH_SLOT_BYTES = 32  # room for one hash in the shared-memory block table
 
@@ -141,29 +143,6 @@ def vllm_none_hash(algorithm: str, seed: str) -> bytes:
     raise ConfigError("hash_algorithm", f"{algorithm!r} is not one of vLLM's algorithms")
 
 
-def encode_extra_keys(lora_name: str | None, cache_salt: str | None) -> tuple[bytes, bytes]:
-    """(bytes appended to every block, bytes appended to block 0 only) in
-    kvshm's own encoding."""
-    every = b""
-    if lora_name:
-        raw = lora_name.encode()
-        every = b"L" + len(raw).to_bytes(4, "little") + raw
-    first = every
-    if cache_salt:
-        raw = cache_salt.encode()
-        first = every + b"S" + len(raw).to_bytes(4, "little") + raw
-    return every, first
-
-
-def vllm_extra_keys(lora_name: str | None,
-                    cache_salt: str | None) -> tuple[tuple | None, tuple | None]:
-    """(extra keys of every block, of block 0) as vLLM builds them: the LoRA
-    name, then the cache salt on block 0; None when there are none."""
-    every = (lora_name,) if lora_name else ()
-    first = every + (cache_salt,) if cache_salt else every
-    return every or None, first or None
-
-
 class BlockHasher:
     """Computes a request's full-block hashes at `block_size`-token granularity.
 
@@ -200,11 +179,13 @@ class BlockHasher:
         """The same hasher with cache keys in `namespace`."""
         return BlockHasher(self.algorithm, self.seed, self.block_size, namespace)
 
-    def extra_keys(self, lora_name: str | None, cache_salt: str | None) -> tuple[Any, Any]:
-        """The (every block, block 0) extra keys `hash_blocks` takes."""
-        if self.vllm:
-            return vllm_extra_keys(lora_name, cache_salt)
-        return encode_extra_keys(lora_name, cache_salt)
+    def extra_keys(self, lora_name: str | None = None, cache_salt: str | None = None,
+                   mm_features: tuple[MultiModalFeature, ...] = (),
+                   embeds: bytes | None = None, row_bytes: int = 0) -> ExtraKeys:
+        """A request's extra keys in this hasher's encoding, for `hash_blocks`
+        (`mm_features` checked by `check_mm_features`, `embeds` and
+        `row_bytes` from `embeds_rows`)."""
+        return ExtraKeys(self.vllm, lora_name, cache_salt, mm_features, embeds, row_bytes)
 
     def keys(self, hashes: list[bytes]) -> list[bytes]:
         """Prefix-cache keys of chained block hashes (the hashes themselves
@@ -220,13 +201,13 @@ class BlockHasher:
         token_ids: Sequence[int],
         start_block: int,
         parent: bytes | None,
-        extra_every: Any = None,
-        extra_first: Any = None,
+        extra: ExtraKeys | None = None,
     ) -> list[bytes]:
-        """Hashes of the full blocks from index `start_block` on.
+        """Hashes of the full blocks from index `start_block` on, in one
+        pass (see `kvshm.core.extra_keys` for why passes matter).
 
         `parent` is the hash of block `start_block - 1` (None for block 0);
-        the extra keys come from `extra_keys()` (None: none).
+        `extra` comes from `extra_keys()` (None: no extra keys).
         Raises `InvalidArgument` for a token id outside [0, 2**32).
         """
         bs = self.block_size
@@ -234,23 +215,22 @@ class BlockHasher:
         if start_block >= n_full:
             return []
         prev = self.none_hash if parent is None else parent
+        keys = None if extra is None else extra.for_blocks(start_block, n_full, bs)
         if self.vllm:
-            return self._hash_vllm(token_ids, start_block, n_full, prev,
-                                   extra_every, extra_first)
+            return self._hash_vllm(token_ids, start_block, n_full, prev, keys)
         fn, pack = self._fn, self._pack
-        every = extra_every or b""
-        first = extra_first or b""
         out = []
         try:
             for i in range(start_block, n_full):
                 lo = i * bs
-                prev = fn(prev + pack(*token_ids[lo:lo + bs]) + (first if i == 0 else every))
+                key = b"" if keys is None else keys[i - start_block]
+                prev = fn(prev + pack(*token_ids[lo:lo + bs]) + key)
                 out.append(prev)
         except struct.error:
             raise InvalidArgument("token ids must be integers in [0, 2**32)") from None
         return out
 
-    def _hash_vllm(self, token_ids, start_block, n_full, prev, every, first) -> list[bytes]:
+    def _hash_vllm(self, token_ids, start_block, n_full, prev, keys) -> list[bytes]:
         # NOTE: vLLM hashes (parent, tuple(tokens), extra_keys) with the
         # serializer its algorithm names; the check that tokens are ints in
         # range comes first, so a bad id raises before anything is hashed.
@@ -263,14 +243,14 @@ class BlockHasher:
         if self.algorithm == "vllm-sha256":
             for i in range(start_block, n_full):
                 lo = i * bs
-                prev = _sha256(_pickle((prev, tuple(token_ids[lo:lo + bs]),
-                                        first if i == 0 else every)))
+                key = None if keys is None else keys[i - start_block]
+                prev = _sha256(_pickle((prev, tuple(token_ids[lo:lo + bs]), key)))
                 out.append(prev)
             return out
         for i in range(start_block, n_full):
             lo = i * bs
             body = _cbor_tokens(token_ids[lo:lo + bs])
-            extra = cbor_canonical(first if i == 0 else every)
+            extra = b"\xf6" if keys is None else cbor_canonical(keys[i - start_block])
             prev = _sha256(b"\x83" + _cbor_head(2, len(prev)) + prev + body + extra)
             out.append(prev)
         return out

@@ -7,9 +7,10 @@ lookup never rehashes a prompt.
 from __future__ import annotations
 
 from array import array
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from kvshm.core.errors import InvalidArgument
+from kvshm.core.extra_keys import MultiModalFeature, check_mm_features, embeds_rows
 from kvshm.core.hashing import BlockHasher
 
 
@@ -29,8 +30,17 @@ class Request:
 
     Attributes mirror vLLM's request where they name the same thing:
     `request_id`, `all_token_ids`, `num_tokens`, `num_computed_tokens`,
-    `block_hashes`, `lora_name`, `cache_salt`, `skip_reading_prefix_cache`.
+    `block_hashes`, `lora_name`, `cache_salt`, `mm_features`,
+    `prompt_embeds`, `skip_reading_prefix_cache`.
     `hasher` may be None (caching off): then `block_hashes` stays empty.
+
+    `mm_features`: the prompt's multimodal items, (offset, length,
+    identifier) each (`MultiModalFeature`), kept sorted by offset.
+    `prompt_embeds`: the prompt's embeddings (any buffer, one row per prompt
+    token); `prompt_token_ids` may then be None (the ids are zeros, as in
+    vLLM) if the buffer is 2-D.  Both only change the block hashes
+    (`kvshm.core.extra_keys`); they are checked before anything is kept
+    (`BadMultimodalInput`).
 
     A request made with `from_block_hashes` has no token ids
     (`all_token_ids` is None): its client hashed the tokens itself and sends
@@ -38,22 +48,35 @@ class Request:
     """
 
     __slots__ = ("request_id", "all_token_ids", "num_tokens", "num_computed_tokens",
-                 "block_hashes", "lora_name", "cache_salt", "skip_reading_prefix_cache",
-                 "num_preemptions", "_hasher", "_extra_every", "_extra_first", "_parent")
+                 "block_hashes", "lora_name", "cache_salt", "mm_features", "prompt_embeds",
+                 "skip_reading_prefix_cache", "num_preemptions", "_hasher", "_extra",
+                 "_parent")
 
     def __init__(
         self,
         request_id: str,
-        prompt_token_ids: Iterable[int],
+        prompt_token_ids: Iterable[int] | None,
         hasher: BlockHasher | None = None,
         *,
         lora_name: str | None = None,
         cache_salt: str | None = None,
+        mm_features: Sequence[MultiModalFeature] | None = None,
+        prompt_embeds=None,
         skip_reading_prefix_cache: bool = False,
     ) -> None:
-        self._setup(request_id, hasher, lora_name, cache_salt, skip_reading_prefix_cache)
-        self.all_token_ids: list[int] | None = _checked_tokens(list(prompt_token_ids))
-        self.num_tokens = len(self.all_token_ids)
+        tokens = None if prompt_token_ids is None else _checked_tokens(list(prompt_token_ids))
+        embeds, row_bytes = None, 0
+        if prompt_embeds is not None:
+            embeds, row_bytes = embeds_rows(prompt_embeds, None if tokens is None else len(tokens))
+            if tokens is None:
+                tokens = [0] * (len(embeds) // row_bytes)
+        elif tokens is None:
+            raise InvalidArgument("a request needs prompt_token_ids or prompt_embeds")
+        features = check_mm_features(mm_features, len(tokens))
+        self._setup(request_id, hasher, lora_name, cache_salt, skip_reading_prefix_cache,
+                    features, embeds, row_bytes)
+        self.all_token_ids: list[int] | None = tokens
+        self.num_tokens = len(tokens)
         self._extend_hashes()
 
     @classmethod
@@ -79,18 +102,21 @@ class Request:
         self.append_block_hashes(block_hashes, num_tokens)
         return self
 
-    def _setup(self, request_id, hasher, lora_name, cache_salt, skip_read) -> None:
+    def _setup(self, request_id, hasher, lora_name, cache_salt, skip_read,
+               features=(), embeds=None, row_bytes=0) -> None:
         if not isinstance(request_id, str) or not request_id:
             raise InvalidArgument("request_id must be a non-empty string")
         self.request_id = request_id
         self.num_computed_tokens = 0
         self.lora_name = lora_name
         self.cache_salt = cache_salt
+        self.mm_features = features
+        self.prompt_embeds = embeds
         self.skip_reading_prefix_cache = skip_read
         self.num_preemptions = 0
         self._hasher = hasher
-        self._extra_every, self._extra_first = (
-            hasher.extra_keys(lora_name, cache_salt) if hasher is not None else (None, None))
+        self._extra = (None if hasher is None else
+                       hasher.extra_keys(lora_name, cache_salt, features, embeds, row_bytes))
         self.block_hashes: list[bytes] = []
         self._parent: bytes | None = None  # hash of the last full block (chain parent)
 
@@ -139,8 +165,7 @@ class Request:
         hashes = self.block_hashes
         if (len(hashes) + 1) * hasher.block_size > len(self.all_token_ids):
             return
-        raw = hasher.hash_blocks(self.all_token_ids, len(hashes), self._parent,
-                                 self._extra_every, self._extra_first)
+        raw = hasher.hash_blocks(self.all_token_ids, len(hashes), self._parent, self._extra)
         self._parent = raw[-1]
         hashes.extend(hasher.keys(raw))
 

@@ -344,11 +344,14 @@ class Client(SessionInfo):
     async def add_request(self, req: str, prompt: Sequence[int] | None = None, *,
                           block_hashes: list[bytes] | None = None, num_tokens: int = 0,
                           lora_name: str | None = None, cache_salt: str | None = None,
-                          skip_reading_prefix_cache: bool = False,
-                          timeout: float | None = None) -> None:
-        await self.call(p.AddRequest(req, None if prompt is None else list(prompt),
-                                     block_hashes, num_tokens, lora_name, cache_salt,
-                                     skip_reading_prefix_cache), timeout)
+                          skip_reading_prefix_cache: bool = False, mm_features=None,
+                          prompt_embeds=None, timeout: float | None = None) -> None:
+        """Add a request: its prompt's token ids (with its multimodal items
+        and prompt embeds, if any), or the hashes of its full blocks and its
+        token count (see `protocol.add_request`)."""
+        await self.call(p.add_request(req, prompt, block_hashes, num_tokens, lora_name,
+                                      cache_salt, skip_reading_prefix_cache, mm_features,
+                                      prompt_embeds), timeout)
 
     async def advance(self, req: str, num_computed_tokens: int,
                       append: Sequence[int] = (), *, append_hashes: list[bytes] = (),

@@ -5,6 +5,7 @@ exceptions (`raise_reply`, `batch_results`)."""
 from __future__ import annotations
 
 from kvshm.core.errors import (
+    BadMultimodalInput,
     ConfigError,
     DuplicateRequest,
     InvalidArgument,
@@ -141,8 +142,8 @@ class RequestTimeout(KvshmError):
 
 
 ERROR_CLASSES: dict[str, type[KvshmError]] = {cls.code: cls for cls in (
-    ConfigError, InvalidArgument, StaleHits, UnknownRequest, DuplicateRequest,
-    RequestTableFull, RequestTooLong, SegmentError, ShmSpaceError, NoFreeBlocks,
+    ConfigError, InvalidArgument, StaleHits, BadMultimodalInput, UnknownRequest,
+    DuplicateRequest, RequestTableFull, RequestTooLong, SegmentError, ShmSpaceError, NoFreeBlocks,
     ProtocolError, FrameTooLarge, BatchTooLarge, HandshakeRequired, HandshakeError,
     VersionMismatch, HashMismatch, Forbidden, NotOwner, InternalError, ResumeFailed,
     ReplyLost, SocketInUse, PoolInUse,

@@ -328,21 +328,7 @@ class OpExecutor:
         held = self.requests.get(rid)
         if held is not None and not (held.request is None and held.owner is owner):
             raise DuplicateRequest(rid)
-        if (op.prompt is None) == (op.block_hashes is None):
-            raise InvalidArgument("add_request needs either prompt or block_hashes")
-        max_len = self.config.max_model_len
-        if op.prompt is not None:
-            if len(op.prompt) > max_len:
-                raise InvalidArgument(f"prompt of {len(op.prompt)} tokens exceeds "
-                                      f"max_model_len {max_len}")
-            req = Request(rid, op.prompt, owner.hasher, lora_name=op.lora_name,
-                          cache_salt=op.cache_salt,
-                          skip_reading_prefix_cache=op.skip_reading_prefix_cache)
-        else:
-            check_count("num_tokens", op.num_tokens, max_len)
-            req = Request.from_block_hashes(
-                rid, op.block_hashes, op.num_tokens, owner.hasher, lora_name=op.lora_name,
-                cache_salt=op.cache_salt, skip_reading_prefix_cache=op.skip_reading_prefix_cache)
+        req = self._new_request(owner, op)
         if held is not None:   # restoring a request taken over after a restart
             self._check_restore(req)
             held.request = req
@@ -352,6 +338,39 @@ class OpExecutor:
         self.requests[rid] = ReqState(req, owner)
         owner.requests.add(rid)
         return p.Done()
+
+    def _new_request(self, owner: Owner, op: p.AddRequest) -> Request:
+        rid = op.req
+        max_len = self.config.max_model_len
+        if op.block_hashes is not None:
+            if op.prompt is not None or op.prompt_embeds is not None or op.mm_features:
+                raise InvalidArgument(
+                    "add_request takes block_hashes or a prompt (token ids, embeds and "
+                    "multimodal items), not both: the hashes already cover them")
+            check_count("num_tokens", op.num_tokens, max_len)
+            return Request.from_block_hashes(
+                rid, op.block_hashes, op.num_tokens, owner.hasher, lora_name=op.lora_name,
+                cache_salt=op.cache_salt, skip_reading_prefix_cache=op.skip_reading_prefix_cache)
+        prompt = op.prompt
+        if prompt is None:
+            if op.prompt_embeds is None:
+                raise InvalidArgument("add_request needs either prompt or block_hashes")
+            check_count("num_tokens", op.num_tokens, max_len)
+            prompt = [0] * op.num_tokens     # vLLM's placeholder ids for embeds
+        if len(prompt) > max_len:
+            raise InvalidArgument(f"prompt of {len(prompt)} tokens exceeds "
+                                  f"max_model_len {max_len}")
+        n = op.num_prompt_tokens or len(prompt)
+        if not 0 <= n <= len(prompt):
+            raise InvalidArgument(f"num_prompt_tokens must be in 0..{len(prompt)} "
+                                  f"(got {op.num_prompt_tokens}; 0: the whole prompt)")
+        req = Request(rid, prompt[:n] if n < len(prompt) else prompt, owner.hasher,
+                      lora_name=op.lora_name, cache_salt=op.cache_salt,
+                      mm_features=op.mm_features, prompt_embeds=op.prompt_embeds,
+                      skip_reading_prefix_cache=op.skip_reading_prefix_cache)
+        if n < len(prompt):
+            req.append_token_ids(prompt[n:])
+        return req
 
     def _check_restore(self, req: Request) -> None:
         """The restored request's hashes must be those of the cached blocks

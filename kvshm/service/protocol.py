@@ -13,8 +13,11 @@ from typing import Union
 
 import msgspec
 
-PROTOCOL_VERSION = 5   # 2: Welcome.arena_segment, Admit; 3: admin and resumable sessions;
-                       # 4: Error.fields; 5: TakeEvents
+from kvshm.core.extra_keys import MultiModalFeature, check_mm_features, embeds_rows
+
+PROTOCOL_VERSION = 6   # 2: Welcome.arena_segment, Admit; 3: admin and resumable sessions;
+                       # 4: Error.fields; 5: TakeEvents; 6: AddRequest.mm_features,
+                       # prompt_embeds, num_prompt_tokens
 MAX_BATCH_OPS = 4096
 
 
@@ -59,7 +62,15 @@ class Welcome(_Op, tag="welcome"):
 # -- operations (they mirror KVCacheManager) ----------------------------------------
 class AddRequest(_Op, tag="add"):
     """A new request: its prompt token ids, or the full-block hashes the
-    client computed plus the token count."""
+    client computed plus the token count.
+
+    With token ids, `mm_features` (offset, length, identifier per item) and
+    `prompt_embeds` (raw rows, one per prompt token; `prompt` may then be
+    None and `num_tokens` the row count: the ids are zeros) become extra
+    keys of the block hashes, as vLLM's.  `num_prompt_tokens` > 0 says that
+    only the first that many of `prompt` were the prompt and the rest were
+    appended later (a client restoring a request after a coordinator
+    restart sends it so, and its blocks hash as they did)."""
 
     req: str
     prompt: list[int] | None = None
@@ -68,6 +79,31 @@ class AddRequest(_Op, tag="add"):
     lora_name: str | None = None
     cache_salt: str | None = None
     skip_reading_prefix_cache: bool = False
+    mm_features: list[MultiModalFeature] | None = None
+    prompt_embeds: bytes | None = None
+    num_prompt_tokens: int = 0
+
+
+def add_request(req: str, prompt=None, block_hashes=None, num_tokens: int = 0,
+                lora_name: str | None = None, cache_salt: str | None = None,
+                skip_reading_prefix_cache: bool = False, mm_features=None,
+                prompt_embeds=None) -> AddRequest:
+    """The AddRequest the clients' `add_request` sends: `prompt` any
+    iterable of ids, `mm_features` (offset, length, identifier) triples,
+    `prompt_embeds` any buffer (one row per prompt token; a 2-D array
+    gives the token count when `prompt` is None).  Malformed items or
+    embeds raise `BadMultimodalInput` here, before anything is sent."""
+    prompt = None if prompt is None else list(prompt)
+    if prompt_embeds is not None:
+        prompt_embeds, row_bytes = embeds_rows(
+            prompt_embeds, len(prompt) if prompt is not None else (num_tokens or None))
+        if prompt is None:
+            num_tokens = len(prompt_embeds) // row_bytes
+    if mm_features:
+        n = len(prompt) if prompt is not None else num_tokens
+        mm_features = list(check_mm_features(mm_features, n))
+    return AddRequest(req, prompt, block_hashes, num_tokens, lora_name, cache_salt,
+                      skip_reading_prefix_cache, mm_features or None, prompt_embeds)
 
 
 class Advance(_Op, tag="advance"):

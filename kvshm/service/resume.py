@@ -39,16 +39,19 @@ class Reconnect:
 
 
 class _Req:
-    __slots__ = ("tokens", "hashes", "num_tokens", "lora_name", "cache_salt", "skip",
-                 "computed")
+    __slots__ = ("tokens", "hashes", "num_tokens", "num_prompt", "op", "computed")
 
     def __init__(self, op: p.AddRequest) -> None:
-        self.tokens = None if op.prompt is None else list(op.prompt)
+        self.op = op      # its lora name, salt, items and embeds, as sent
+        tokens = op.prompt
+        if tokens is None and op.block_hashes is None:   # prompt embeds: ids are zeros
+            tokens = [0] * op.num_tokens
+        self.tokens = None if tokens is None else list(tokens)
         self.hashes = None if op.block_hashes is None else list(op.block_hashes)
         self.num_tokens = len(self.tokens) if self.tokens is not None else op.num_tokens
-        self.lora_name = op.lora_name
-        self.cache_salt = op.cache_salt
-        self.skip = op.skip_reading_prefix_cache
+        # Where the prompt ended: a restore hashes the prompt and the tokens
+        # appended after it in separate passes, as they were (extra_keys.py).
+        self.num_prompt = op.num_prompt_tokens or self.num_tokens
         self.computed = 0
 
 
@@ -112,9 +115,11 @@ class RequestMirror:
         taken-back ones this client does not know any more."""
         ops = []
         for rid, r in self._reqs.items():
-            ops.append(p.AddRequest(rid, r.tokens, r.hashes,
-                                    0 if r.tokens is not None else r.num_tokens,
-                                    r.lora_name, r.cache_salt, r.skip))
+            o = r.op
+            ops.append(p.AddRequest(
+                rid, r.tokens, r.hashes, 0 if r.tokens is not None else r.num_tokens,
+                o.lora_name, o.cache_salt, o.skip_reading_prefix_cache, o.mm_features,
+                o.prompt_embeds, r.num_prompt if r.tokens is not None else 0))
             ops.append(p.Advance(rid, r.computed))
         ops += [p.Free(rid) for rid in held if rid not in self._reqs]
         n = 2 * RESTORE_REQUESTS_PER_FRAME
