@@ -265,10 +265,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
         kv_events = KVEventsConfig.from_json(args.kv_events_config)
         if kv_events.publishes:
             import_zmq()
-    import logging
-    logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO,
-                        format="kvshm coordinator: %(message)s")
+    from kvshm.logs import setup_logging
+    from kvshm.service.tenants import parse_quota
+    setup_logging(args.log_level or ("warning" if args.quiet else "info"), args.log_json)
+    quotas = dict(parse_quota(q, config.num_blocks - 1) for q in args.tenant_quota)
+    if args.metrics_port is not None:
+        from kvshm import exporter
+        exporter.import_prometheus()
+        exporter.check_port_free(args.metrics_port)
     sock = Path(args.socket) if args.socket else default_socket_path(args.name)
+    children = []
 
     def ready(coord) -> None:
         if not args.quiet:
@@ -285,11 +291,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
                       f"{kv.num_kv_heads} KV heads x {kv.head_size}, {kv.dtype}, "
                       f"{config.kv_block_bytes:,} bytes a block, {kv.layout} layout)",
                       flush=True)
+        if args.metrics_port is not None:
+            children.append(exporter.start_exporter_process(args.name, args.metrics_port))
         print(f"ready {args.name} {sock}", flush=True)
 
-    run_async(serve(config, name=args.name, socket_path=sock, **tokens,
-                    allow_other_uids=args.allow_other_uids, fresh=args.fresh,
-                    resume_grace=args.resume_grace, kv_events=kv_events, ready=ready))
+    try:
+        run_async(serve(config, name=args.name, socket_path=sock, **tokens,
+                        allow_other_uids=args.allow_other_uids, fresh=args.fresh,
+                        resume_grace=args.resume_grace, kv_events=kv_events,
+                        tenant_quotas=quotas, ready=ready))
+    finally:
+        for child in children:   # the exporter beside it
+            child.terminate()
+            child.wait()
     if not args.quiet:
         print("kvshm coordinator: stopped, segment removed", flush=True)
     return 0
@@ -315,6 +329,13 @@ def cmd_stats(args: argparse.Namespace) -> int:
     else:
         state = f"(dead: not running; remove the stale pool with `kvshm rm {name}`)"
     print(f"  coordinator pid {st['coordinator_pid']} {state}, generation {st['generation']}")
+    print(f"  preemptions {st['preemptions']}; KV events: {st['events_published']} batches "
+          f"published, {st['events_dropped']} dropped")
+    for tenant, t in sorted(st["tenants"].items()):
+        quota = "unlimited" if t["quota"] < 0 else f"quota {t['quota']}"
+        print(f"  tenant {tenant or '(default)'}: {t['blocks']} blocks ({quota}, "
+              f"{t['quota_refusals']} refused); {t['hit_tokens']} of {t['query_tokens']} "
+              f"tokens hit")
     for sess in st["sessions"]:
         print(f"  session {sess['session']}: {sess['requests']} requests, "
               f"{sess['blocks']} block references")
@@ -409,8 +430,25 @@ def build_parser() -> argparse.ArgumentParser:
                    help="publish KV-cache events as vLLM does, for KV-aware routers: vLLM's "
                    "KVEventsConfig fields as JSON, e.g. '{\"enable_kv_cache_events\": true, "
                    "\"endpoint\": \"tcp://*:5557\"}' (needs kvshm[events]; docs/events.md)")
+    p.add_argument("--tenant-quota", action="append", default=[], metavar="NAME=N|P%",
+                   help="the most blocks tenant NAME's sessions may hold, a count or a "
+                   "percentage of the pool (repeatable; `=N` is the default tenant); "
+                   "beyond it its allocations fail as on a full pool")
+    p.add_argument("--metrics-port", type=int, metavar="PORT",
+                   help="also serve the pool's Prometheus metrics on PORT (a `kvshm "
+                   "metrics` process beside the coordinator; needs kvshm[metrics])")
+    from kvshm.logs import LEVELS
+    p.add_argument("--log-level", choices=LEVELS,
+                   help="log threshold (default info; warning with --quiet)")
+    p.add_argument("--log-json", action="store_true", help="log JSON lines")
     p.add_argument("--quiet", action="store_true", help="print only the ready line")
     p.set_defaults(fn=cmd_serve)
+
+    p = sub.add_parser("metrics", help="serve a pool's Prometheus metrics, read from its "
+                       "segment (no socket)")
+    from kvshm import exporter
+    exporter.add_arguments(p)
+    p.set_defaults(fn=exporter.main)
 
     p = sub.add_parser("stats", help="pool statistics, read from the segment directly")
     p.add_argument("name", nargs="?", default="kvshm", help="pool name (default kvshm)")

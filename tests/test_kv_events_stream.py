@@ -220,7 +220,7 @@ async def test_a_session_takes_the_events_of_its_own_frames(coordinator, monkeyp
     from helpers import make_config, tokens
     from kvshm.core.events import BlockRemoved as Removed
     from kvshm.core.events import decode_events
-    from kvshm.service import ops
+    from kvshm.service import owner
     from kvshm.service import protocol as p
     from kvshm.service.client import connect
     coord = await coordinator(make_config(num_blocks=6))      # 5 usable blocks of 4 tokens
@@ -241,7 +241,7 @@ async def test_a_session_takes_the_events_of_its_own_frames(coordinator, monkeyp
         got = await a.take_events()
         assert any(isinstance(e, Removed) for e in got)
         assert any(isinstance(e, BlockStored) for e in got)
-        monkeypatch.setattr(ops, "MAX_OWNER_EVENTS", 1)
+        monkeypatch.setattr(owner, "MAX_OWNER_EVENTS", 1)
         await a.free("c")
         await a.add_request("d", tokens(300, 321))
         await a.allocate_slots("d", 20, 0, use_computed_blocks=True)

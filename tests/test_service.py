@@ -338,16 +338,16 @@ async def test_tenants_never_share_cached_blocks(coordinator):
             assert await nobody.get_computed_blocks("n1") == ([[]], 0)
             # B caching the same prompt makes its own blocks
             new = await b.allocate_slots("b1", 17)
-            assert set(new[0]).isdisjoint(coord.mgr.get_block_ids("a1")[0])
+            assert set(new[0]).isdisjoint((await a1.get_block_ids("a1"))[0])
             assert coord.mgr.block_pool.num_cached_blocks == 8
             # A (another session of the same tenant) hits, by prompt or by hashes
             await a2.add_request("a2", prompt)
             blocks, n = await a2.get_computed_blocks("a2")
-            assert n == 16 and blocks == [coord.mgr.get_block_ids("a1")[0][:4]]
+            assert n == 16 and blocks == [(await a1.get_block_ids("a1"))[0][:4]]
             await a2.add_request("a3", block_hashes=hashes, num_tokens=17)
             assert await a2.get_computed_blocks("a3") == (blocks, 16)
             assert await a2.allocate_slots("a3", 1, 16, use_computed_blocks=True) is not None
-            assert coord.mgr.get_block_ids("a3")[0][:4] == blocks[0]
+            assert (await a2.get_block_ids("a3"))[0][:4] == blocks[0]
     await until(lambda: not coord.sessions)
     assert_pool_clean(coord)
 

@@ -72,6 +72,11 @@ class KVCacheManager:
             raise
         self.journal = segment.journal
         self.events: EventLog | None = None
+        # Free blocks an allocation must leave (a tenant's quota: the
+        # coordinator sets it per frame); whether the last refused
+        # allocation was refused for it rather than for the pool.
+        self.free_floor = 0
+        self.refused_by_floor = False
         self._frame = False
         self.empty_blocks: BlockIds = tuple(() for _ in config.groups)
         self._widths = self.table.widths
@@ -249,7 +254,8 @@ class KVCacheManager:
             need = groups.get_num_blocks_to_allocate(
                 rid, num_need_slot, hits, num_encoder_tokens,
                 num_local + num_external_computed_tokens)
-            if need > pool.num_free_blocks:
+            if need > pool.num_free_blocks - self.free_floor:
+                self.refused_by_floor = need <= pool.num_free_blocks
                 return None
             if adopts:
                 groups.allocate_new_computed_blocks(rid, hits, num_local,

@@ -30,6 +30,8 @@ Layout (every array 64-byte aligned, native byte order):
                                           coordinator sessions (service layer)
     replies           uint8[SESSION_SLOTS * 2 * REPLY_BYTES]  each session's
                                           last two frame replies
+    metrics           int64[METRICS_WORDS]  operators' counters
+                                          (kvshm/core/metrics.py)
 
 Links are relative (next = id + next_delta[id]) so that a fresh queue
 [0, 1, ..., n-1] is a constant byte pattern: filling 1M links is a memset,
@@ -57,6 +59,7 @@ from typing import TypeVar
 
 from kvshm.core.errors import SegmentError
 from kvshm.core.hashing import HASH_SLOT_BYTES
+from kvshm.core.metrics import METRICS_WORDS
 from kvshm.core.shm import SHM_DIR, OwnedMapping, Shm, create_shm, open_shm, unlink_shm
 from kvshm.core.specs import PoolConfig
 
@@ -67,7 +70,7 @@ MAGIC = b"KVSHMPL\0"
 # (magic, layout version, header size, config fingerprint, num_blocks,
 # creator pid at the same offsets), so `segment_info` reads both kinds.
 ARENA_MAGIC = b"KVSHMKV\0"
-LAYOUT_VERSION = 2   # 2: undo log, session records and replies (recovery)
+LAYOUT_VERSION = 3   # 2: undo log, session records and replies (recovery); 3: metrics
 RID_BYTES = 64
 SLOT_META_FIELDS = 4  # rid_len, owner session, in_use, reserved
 
@@ -177,7 +180,8 @@ class Layout:
         arrays += [(f"table{g}", 4 * slots * w) for g, w in enumerate(self.widths)]
         arrays += [("undo", 8 * undo_words(config)),
                    ("sessions", 8 * SESSION_SLOTS * SESSION_WORDS),
-                   ("replies", SESSION_SLOTS * 2 * REPLY_BYTES)]
+                   ("replies", SESSION_SLOTS * 2 * REPLY_BYTES),
+                   ("metrics", 8 * METRICS_WORDS)]
         self.offsets: dict[str, tuple[int, int]] = {}
         off = self.header_size
         for name, size in arrays:
@@ -188,13 +192,15 @@ class Layout:
             "ref_cnt", "next_delta", "prev_delta", "free_stamp", "cache_stamp",
             "hash_group", "flags", "hashes"))
         self.recovery_bytes = sum(self.offsets[k][1] for k in ("undo", "sessions", "replies"))
-        self.table_bytes = self.size - self.header_size - self.block_bytes - self.recovery_bytes
+        self.metrics_bytes = self.offsets["metrics"][1]
+        self.table_bytes = (self.size - self.header_size - self.block_bytes
+                            - self.recovery_bytes - self.metrics_bytes)
 
 
 _FORMATS = {"ref_cnt": "i", "next_delta": "i", "prev_delta": "i", "free_stamp": "q",
             "cache_stamp": "q", "hash_group": "H", "flags": "B", "hashes": "B",
             "slot_meta": "i", "slot_rid": "B", "slot_counts": "i", "undo": "q",
-            "sessions": "q", "replies": "B"}
+            "sessions": "q", "replies": "B", "metrics": "q"}
 
 
 class PoolSegment(OwnedMapping):

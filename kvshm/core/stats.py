@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 
+from kvshm.core.metrics import read_metrics
 from kvshm.core.segment import (
     COUNTER_FIELDS,
     FLAG_CACHED,
@@ -21,7 +22,9 @@ def read_stats(seg: PoolSegment, timeout: float = 1.0) -> dict:
     """Blocks total/free/cached/used, usage, requests and blocks per owning
     session, prefix-cache lookups and hits, blocks allocated and evicted
     since the pool was created, coordinator pid, liveness,
-    uptime (None when the coordinator is not alive).  Retries until it
+    uptime (None when the coordinator is not alive), preemptions, KV events
+    published and dropped, and per tenant its blocks, quota and hits
+    (kvshm/core/metrics.py).  Retries until it
     copies a state no mutation overlapped; after `timeout` seconds it
     reports what it saw, with "consistent": False."""
     cfg = seg.config
@@ -48,6 +51,7 @@ def read_stats(seg: PoolSegment, timeout: float = 1.0) -> dict:
 
     (counters, cached, sessions), consistent = seg.read_consistent(read, timeout,
                                                                    torn_ok=True)
+    metrics = read_metrics(seg.metrics)
     n = cfg.num_blocks
     free = counters["num_free_blocks"]
     info = segment_info(seg.name) or {"pid": seg.get("coordinator_pid"), "alive": False}
@@ -69,7 +73,12 @@ def read_stats(seg: PoolSegment, timeout: float = 1.0) -> dict:
         "coordinator_alive": info["alive"],
         # A dead coordinator has no uptime: the clock would tick on regardless.
         "uptime_s": (time.time_ns() - seg.get("started_ns")) / 1e9 if info["alive"] else None,
-        "generation": seg.get("generation"),
+        "generation": seg.get("generation"),   # = coordinator restarts (adoptions)
+        "preemptions": metrics["preemptions"],
+        "quota_refusals": metrics["quota_refusals"],
+        "events_published": metrics["events_published"],
+        "events_dropped": metrics["events_dropped"],
+        "tenants": metrics["tenants"],
         "consistent": consistent,
         "sessions": [{"session": k, **v} for k, v in sorted(sessions.items())],
     }

@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 
 import secrets
+from time import perf_counter_ns
 
 import msgspec
 
@@ -32,6 +33,7 @@ from kvshm.core.errors import (
     UnknownRequest,
 )
 from kvshm.core.manager import KVCacheManager
+from kvshm.core.metrics import MetricsWriter, global_word, op_base
 from kvshm.core.request import Request
 from kvshm.service import protocol as p
 from kvshm.service.framing import encode_frame
@@ -43,6 +45,8 @@ from kvshm.service.errors import (
     ResumeFailed,
 )
 from kvshm.service.sessions import SessionRecord, SessionTable, tenant_digest
+from kvshm.service.owner import Owner, ReqState
+from kvshm.service.tenants import TenantBook, check_request_id, unscoped
 
 log = logging.getLogger("kvshm.coordinator")
 
@@ -51,56 +55,15 @@ log = logging.getLogger("kvshm.coordinator")
 MAX_COUNT = 2**31 - 1
 _encode_events = msgspec.msgpack.Encoder().encode
 FREE_HEAD_MAX = 4096
-MAX_OWNER_EVENTS = 100_000   # KV-cache events kept for a session between its TakeEvents
 
+FRAMES_WORD = global_word("frames")
+PREEMPTIONS_WORD = global_word("preemptions")
+# The ops that name a request (its id is scoped to the tenant).
+_REQ_OPS = frozenset((p.AddRequest, p.Advance, p.GetComputedBlocks, p.AllocateSlots, p.Admit,
+                      p.CacheBlocks, p.Free, p.RemoveSkippedBlocks, p.GetBlockIds,
+                      p.NumCommonPrefixBlocks))
 _ALLOC_COUNTS = ("num_new_tokens", "num_new_computed_tokens", "num_lookahead_tokens",
                  "num_external_computed_tokens", "num_encoder_tokens")
-
-
-class Owner:
-    """Whom an op runs for: a session id (the request table's owner word),
-    the block hasher of its tenant's namespace, and whether it may run the
-    pool-wide destructive ops (reset, evict) and see block ids it does not
-    hold (the free queue)."""
-
-    __slots__ = ("id", "tenant", "hasher", "admin", "requests", "record", "seq",
-                 "resume_token", "events", "events_dropped")
-
-    def __init__(self, id: int, tenant: str, hasher, admin: bool = False) -> None:
-        self.id = id
-        self.tenant = tenant
-        self.hasher = hasher
-        self.admin = admin
-        self.requests: set[str] = set()
-        self.record: int | None = None   # its session record's slot (resumable)
-        self.seq = 0                     # frames applied for it
-        self.resume_token = ""
-        self.events: list | None = None  # its frames' KV-cache events (once it took some)
-        self.events_dropped = 0
-
-    def add_events(self, events: list) -> None:
-        """Keep events for its next TakeEvents, at most MAX_OWNER_EVENTS (the
-        oldest go first, counted)."""
-        kept = self.events
-        kept.extend(events)
-        over = len(kept) - MAX_OWNER_EVENTS
-        if over > 0:
-            del kept[:over]
-            self.events_dropped += over
-
-
-class ReqState:
-    """A request the executor knows: its `Request` (None: a placeholder for
-    a request adopted after a restart, until its owner restores it), owner
-    and last hits."""
-
-    __slots__ = ("request", "owner", "hits", "claimed")
-
-    def __init__(self, request: Request | None, owner: Owner) -> None:
-        self.request = request
-        self.owner = owner
-        self.hits = None
-        self.claimed = False   # its table slot records its owner
 
 
 class OpExecutor:
@@ -112,8 +75,10 @@ class OpExecutor:
     """
 
     def __init__(self, mgr: KVCacheManager, *, max_batch_ops: int = p.MAX_BATCH_OPS,
-                 resumable: bool = False) -> None:
+                 resumable: bool = False, quotas: dict[str, int] | None = None) -> None:
         self.mgr = mgr
+        self.metrics = MetricsWriter(mgr.segment.metrics)
+        self.tenants = TenantBook(mgr, self.metrics, quotas)
         self.config = mgr.config
         self.max_batch_ops = max_batch_ops
         self.requests: dict[str, ReqState] = {}
@@ -133,13 +98,14 @@ class OpExecutor:
             p.EvictBlocks: self._evict, p.GetStats: self._stats,
             p.TakeEvents: self._take_events,
         }
+        self._op_base = {cls: op_base(cls.__struct_config__.tag) for cls in self._dispatch}
 
     # -- owners --------------------------------------------------------------------------
     def open_owner(self, id: int, tenant: str = "", *, admin: bool = False, pid: int = 0,
                    node: int = -1) -> Owner:
         """Register owner `id` (a session) of `tenant`'s namespace; with
         resumable sessions it gets a record and a secret `resume_token`."""
-        owner = Owner(id, tenant, self.hasher_for(tenant), admin)
+        owner = Owner(id, tenant, self.hasher_for(tenant), admin, self.tenants.slot(tenant))
         if self.sessions is not None:
             token = secrets.token_urlsafe(24)
             owner.record = self.sessions.allocate(id, token, tenant, admin=admin, pid=pid,
@@ -147,6 +113,8 @@ class OpExecutor:
             if owner.record is not None:
                 owner.resume_token = token
         self.owners[id] = owner
+        self.metrics.add("sessions_total")
+        self.metrics.set("sessions_open", len(self.owners))
         return owner
 
     def close_owner(self, owner: Owner) -> None:
@@ -157,10 +125,13 @@ class OpExecutor:
         mgr = self.mgr
         if mgr.segment.closed:
             return
+        self.metrics.set("sessions_open", len(self.owners))
         mgr.begin_frame()
+        self.tenants.begin(owner.tenant, owner.slot)
         for rid in owner.requests:
             self.requests.pop(rid, None)
             mgr.free(rid)
+        self.tenants.end(owner.slot)
         owner.requests.clear()
         if owner.record is not None:
             self.sessions.release(owner.record)
@@ -189,6 +160,10 @@ class OpExecutor:
                 orphaned += len(rids)
         mgr.commit_frame()
         self.unresumed = {sid: (rec, held.get(sid, [])) for sid, rec in records.items()}
+        by_tenant: dict[bytes, list[str]] = {}
+        for rec, rids in self.unresumed.values():
+            by_tenant.setdefault(rec.tenant, []).extend(rids)
+        self.tenants.rebuild(by_tenant)
         return {"sessions": len(records),
                 "requests": sum(len(rids) for _, rids in self.unresumed.values()),
                 "freed_without_session": orphaned}
@@ -221,7 +196,7 @@ class OpExecutor:
         if rec.tenant != tenant_digest(tenant):
             raise ResumeFailed("the resume token belongs to another tenant's session")
         del self.unresumed[sid]
-        owner = Owner(sid, tenant, self.hasher_for(tenant), admin)
+        owner = Owner(sid, tenant, self.hasher_for(tenant), admin, self.tenants.slot(tenant))
         owner.record = rec.slot
         owner.seq = rec.last_seq
         owner.resume_token = token
@@ -229,7 +204,10 @@ class OpExecutor:
             self.requests[rid] = ReqState(None, owner)
             owner.requests.add(rid)
         self.owners[sid] = owner
-        return owner, rids
+        self.metrics.add("sessions_resumed")
+        self.metrics.set("sessions_open", len(self.owners))
+        n = len(owner.scope)
+        return owner, [rid[n:] for rid in rids]
 
     def expire_unresumed(self) -> int:
         """The grace period is over: free the requests of sessions that did
@@ -237,10 +215,17 @@ class OpExecutor:
         Returns how many requests were freed."""
         mgr = self.mgr
         freed = 0
+        book = self.tenants
+        slots = {tenant_digest(name): slot for name, slot in book.known().items()}
         mgr.begin_frame()
         for rec, rids in self.unresumed.values():
+            slot = slots.get(rec.tenant)
+            if slot is not None:
+                book.begin("", slot)
             for rid in rids:
                 mgr.free(rid)
+            if slot is not None:
+                book.end(slot)
             freed += len(rids)
             self.sessions.release(rec.slot)
         mgr.commit_frame()
@@ -263,7 +248,11 @@ class OpExecutor:
         mgr = self.mgr
         seq = owner.seq + 1
         mgr.begin_frame()
-        frame = encode_frame(self.execute(owner, msg))
+        self.tenants.begin(owner.tenant, owner.slot)
+        reply = self.execute(owner, msg)
+        self.tenants.end(owner.slot)
+        self.metrics.words[FRAMES_WORD] += 1
+        frame = encode_frame(reply)
         if owner.record is not None:
             self.sessions.record_frame(owner.record, seq, frame)
         mgr.commit_frame()
@@ -283,30 +272,53 @@ class OpExecutor:
         if msg.__class__ is p.Batch:
             ops = msg.ops
             if len(ops) > self.max_batch_ops:
+                self.metrics.error(None, BatchTooLarge.code)
                 return p.Error(BatchTooLarge.code, f"a batch holds at most "
                                f"{self.max_batch_ops} ops (got {len(ops)})")
             results = []
-            dispatch = self._dispatch
+            run = self._run
             op = None
             try:
                 for op in ops:
-                    results.append(dispatch[op.__class__](owner, op))
+                    results.append(run(owner, op))
             except Exception as e:  # the batch stops at its first error
-                results.append(error_reply(op, e))
+                results.append(self._error(owner, op, e))
             return p.BatchReply(results)
-        handler = self._dispatch.get(msg.__class__)
-        if handler is None:
+        if msg.__class__ not in self._dispatch:
+            self.metrics.error(None, InvalidArgument.code)
             return p.Error(InvalidArgument.code, f"{type(msg).__name__} is not an operation")
         try:
-            return handler(owner, msg)
+            return self._run(owner, msg)
         except Exception as e:
-            return error_reply(msg, e)
+            return self._error(owner, msg, e)
+
+    def _run(self, owner: Owner, op):
+        """One op, timed; a tenant's request ids get its scope."""
+        cls = op.__class__
+        if owner.scope and cls in _REQ_OPS:
+            op = msgspec.structs.replace(op, req=owner.scope + op.req)
+        t = perf_counter_ns()
+        reply = self._dispatch[cls](owner, op)
+        self.metrics.op(self._op_base[cls], perf_counter_ns() - t)
+        return reply
+
+    def _error(self, owner: Owner, op, e: Exception) -> p.Error:
+        reply = error_reply(op, e)
+        self.metrics.error(self._op_base.get(op.__class__), reply.code)
+        scope = owner.scope
+        if scope:   # what the client sent, not the scoped id
+            reply = p.Error(reply.code, unscoped(scope, reply.message),
+                            {k: unscoped(scope, v) if v.__class__ is str else v
+                             for k, v in reply.fields.items()})
+        return reply
 
     def _owned(self, owner: Owner, rid: str) -> ReqState:
         st = self.requests.get(rid)
         if st is None:
             raise UnknownRequest(rid)
         if st.owner is not owner:
+            if st.owner.tenant != owner.tenant:   # another tenant's: not to be known
+                raise UnknownRequest(rid)
             raise NotOwner(f"request {rid!r} belongs to another session")
         if st.request is None:
             raise InvalidArgument(f"request {rid!r} was taken over from the previous "
@@ -325,6 +337,7 @@ class OpExecutor:
     # -- operations ----------------------------------------------------------------------
     def _add(self, owner: Owner, op: p.AddRequest):
         rid = op.req
+        check_request_id(rid[len(owner.scope):])
         held = self.requests.get(rid)
         if held is not None and not (held.request is None and held.owner is owner):
             raise DuplicateRequest(rid)
@@ -426,6 +439,8 @@ class OpExecutor:
             st.request, op.num_new_tokens, op.num_new_computed_tokens,
             st.hits if op.use_computed_blocks else None, op.num_lookahead_tokens,
             op.num_external_computed_tokens, op.delay_cache_blocks, op.num_encoder_tokens)
+        if res is None and mgr.refused_by_floor:
+            self.tenants.refused(owner.slot)
         self._claim(st, op.req)
         # res is a tuple of fresh lists: msgspec encodes it as is.
         return p.Allocated(res, mgr.block_pool.num_free_blocks)
@@ -446,6 +461,8 @@ class OpExecutor:
         n = min(op.max_new_tokens, req.num_tokens - num_hit)
         new = mgr.allocate_slots(req, n, num_hit, hits, op.num_lookahead_tokens, 0,
                                  op.delay_cache_blocks)
+        if new is None and mgr.refused_by_floor:
+            self.tenants.refused(owner.slot)
         self._claim(st, op.req)
         return p.Admitted(hits, num_hit, n, new, mgr.block_pool.num_free_blocks)
 
@@ -464,6 +481,8 @@ class OpExecutor:
         st.claimed = False   # the slot is released
         if op.preempted and st.request is not None:
             st.request.num_preemptions += 1
+            self.metrics.words[PREEMPTIONS_WORD] += 1
+            self.metrics.tenant_add(owner.slot, "preemptions", 1)
         else:  # finished or aborted (or a placeholder): the request is gone
             del self.requests[op.req]
             owner.requests.discard(op.req)

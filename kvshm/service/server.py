@@ -25,10 +25,12 @@ import msgspec
 
 from kvshm.core.errors import InvalidArgument, KvshmError
 from kvshm.core.hashing import hash_fingerprint
+from kvshm.core.metrics import TENANT_SLOTS
 from kvshm.core.specs import PoolConfig
 from kvshm.service import protocol as p
 from kvshm.service.errors import (
     Forbidden,
+    HandshakeError,
     HandshakeRequired,
     HashMismatch,
     PoolInUse,
@@ -41,9 +43,11 @@ from kvshm.service.adoption import adopt_pool, create_pool
 from kvshm.service.events import EventPublisher, KVEventsConfig
 from kvshm.service.framing import MAX_FRAME_BYTES, FrameReader, encode_frame
 from kvshm.service.handshake import admin_token_path
-from kvshm.service.ops import OpExecutor, Owner
+from kvshm.service.ops import OpExecutor
+from kvshm.service.owner import Owner
 from kvshm.service.process import early_stop_requested
 from kvshm.service.sessions import DEFAULT_RESUME_GRACE
+from kvshm.service.tenants import tenant_name_problem
 
 log = logging.getLogger("kvshm.coordinator")
 
@@ -74,15 +78,16 @@ class Session(asyncio.Protocol):
                                     struct.calcsize("3i"))
             self.peer_pid, uid, _gid = struct.unpack("3i", creds)
             if uid != os.getuid() and not self.coord.allow_other_uids:
-                self._reply(encode_frame(p.Error(
-                    Forbidden.code, f"peer uid {uid} is not this coordinator's uid "
-                    f"{os.getuid()} (serve with --allow-other-uids)")))
+                why = (f"peer uid {uid} is not this coordinator's uid {os.getuid()} "
+                       "(serve with --allow-other-uids)")
+                self._reply(encode_frame(p.Error(Forbidden.code, why)))
+                self.coord.refused(self, why)
                 transport.close()
                 return
         self.coord.sessions[self.id] = self
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self.coord._end_session(self)
+        self.coord._end_session(self, exc)
 
     def pause_writing(self) -> None:
         # The client is not reading its replies: stop reading (and answering)
@@ -142,6 +147,8 @@ class Coordinator:
         kv_events: publish the pool's KV-cache events as vLLM does (one
             batch per frame that changed the prefix cache;
             service/events.py).
+        tenant_quotas: tenant -> the most blocks its sessions may hold
+            (service/tenants.py; a tenant not named is unlimited).
     """
 
     def __init__(self, config: PoolConfig, *, name: str, socket_path: str | Path,
@@ -151,7 +158,8 @@ class Coordinator:
                  max_batch_ops: int = p.MAX_BATCH_OPS,
                  write_buffer_high: int = 4 * 2**20, adopt: bool = False,
                  resume_grace: float = DEFAULT_RESUME_GRACE,
-                 kv_events: KVEventsConfig | None = None) -> None:
+                 kv_events: KVEventsConfig | None = None,
+                 tenant_quotas: dict[str, int] | None = None) -> None:
         self.socket_path = Path(socket_path)
         self.token = token or None
         self.admin_token = admin_token or None
@@ -175,7 +183,9 @@ class Coordinator:
         self.adoption = self.pool.adoption
         self.config = self.mgr.config
         self.name = name
-        self.executor = OpExecutor(self.mgr, max_batch_ops=max_batch_ops, resumable=True)
+        self.executor = OpExecutor(self.mgr, max_batch_ops=max_batch_ops, resumable=True,
+                                   quotas=tenant_quotas)
+        self.metrics = self.executor.metrics
         first_id = 1
         if self.adoption is not None:
             found = self.executor.adopt()
@@ -271,12 +281,22 @@ class Coordinator:
                      "freed their %d request(s)", n, freed)
 
     # -- sessions ----------------------------------------------------------------------------
-    def _end_session(self, s: Session) -> None:
+    def _end_session(self, s: Session, exc: Exception | None = None) -> None:
         if self.sessions.pop(s.id, None) is None:
             return
-        if s.owner is not None:
-            self.executor.close_owner(s.owner)
+        owner = s.owner
+        if owner is not None:
+            n = len(owner.requests)
+            self.executor.close_owner(owner)
             self.publish_events()
+            how = "closed by the client" if exc is None else f"connection lost ({exc})"
+            log.info("session %d ended (pid %d, node %d, tenant %r): %s; %d request(s) "
+                     "freed", s.id, s.peer_pid, s.hello.node, owner.tenant, how, n)
+
+    def refused(self, s: Session, why: str) -> None:
+        """Count and log a refused handshake (the session is closed)."""
+        self.metrics.add("handshakes_refused")
+        log.warning("refused a session (pid %d): %s", s.peer_pid, why)
 
     def publish_events(self, s: Session | None = None) -> None:
         """Route the KV-cache events recorded since the last call (the work
@@ -284,8 +304,12 @@ class Coordinator:
         them as one batch."""
         if self.mgr.events is not None:
             events = self.executor.route_events(s.owner if s is not None else None)
-            if events and self.publisher is not None:
-                self.publisher.publish(events)
+            pub = self.publisher
+            if events and pub is not None:
+                pub.publish(events)
+                m = self.metrics
+                m.set("events_published", pub.published)
+                m.set("events_dropped", pub.dropped)
 
     # -- frames --------------------------------------------------------------------------------
     def handle(self, s: Session, body: bytes) -> bytes | bytearray | None:
@@ -301,6 +325,7 @@ class Coordinator:
                                               "the first message must be Hello"))
             reply = self._handshake(s, msg)
             if reply.__class__ is p.Error:  # no second guess on this connection
+                self.refused(s, f"{reply.code}: {reply.message}")
                 s.transport.write(encode_frame(reply))
                 s.transport.close()
                 return None
@@ -330,8 +355,15 @@ class Coordinator:
             return p.Error(HashMismatch.code, f"hash fingerprint {hello.hash_fingerprint} "
                            f"differs from the pool's {self.fingerprint} (same "
                            "hash_algorithm and hash_seed needed)")
-        s.hello = hello
+        tenant = hello.tenant
+        problem = tenant_name_problem(tenant)
+        if problem:
+            return p.Error(HandshakeError.code, problem)
         ex = self.executor
+        if ex.tenants.slot(tenant) is None:
+            return p.Error(HandshakeError.code, f"this pool has {TENANT_SLOTS} tenants "
+                           f"already; {tenant!r} is not one of them")
+        s.hello = hello
         resumed, rids, resume_error = False, [], ""
         if hello.resume_token:
             try:
@@ -344,11 +376,14 @@ class Coordinator:
                 s.id = owner.id
                 self.sessions[s.id] = s
                 s.owner = owner
-                log.info("session %d resumed (pid %d): %d request(s) taken back",
-                         s.id, s.peer_pid, len(rids))
+                log.info("session %d resumed (pid %d, node %d, tenant %r): %d request(s) "
+                         "taken back", s.id, s.peer_pid, hello.node, tenant, len(rids))
         if not resumed:
             s.owner = ex.open_owner(s.id, hello.tenant, admin=admin, pid=hello.pid,
                                     node=hello.node)
+            log.info("session %d connected (pid %d, node %d, tenant %r%s)%s", s.id,
+                     s.peer_pid, hello.node, tenant, ", admin" if admin else "",
+                     f"; could not resume: {resume_error}" if resume_error else "")
         owner = s.owner
         return p.Welcome(p.PROTOCOL_VERSION, s.id, self._config_json, self.mgr.segment.name,
                          self.fingerprint, self.arena.name if self.arena is not None else "",
@@ -390,6 +425,7 @@ async def serve(config: PoolConfig, *, name: str, socket_path: str | Path,
                 allow_other_uids: bool = False, fresh: bool = False,
                 resume_grace: float = DEFAULT_RESUME_GRACE,
                 kv_events: KVEventsConfig | None = None,
+                tenant_quotas: dict[str, int] | None = None,
                 ready: Callable[[Coordinator], None] | None = None) -> None:
     """Run a coordinator until SIGINT/SIGTERM, then shut down cleanly.
 
@@ -436,7 +472,7 @@ async def serve(config: PoolConfig, *, name: str, socket_path: str | Path,
         coord = Coordinator(config, name=name, socket_path=socket_path, token=token,
                             admin_token=admin_token, allow_other_uids=allow_other_uids,
                             adopt=info is not None, resume_grace=resume_grace,
-                            kv_events=kv_events)
+                            kv_events=kv_events, tenant_quotas=tenant_quotas)
     except BaseException:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
