@@ -206,7 +206,8 @@ def serve_metrics(name: str, port: int, addr: str = ""):
     collector = PoolCollector(name)
     registry.register(collector)
     try:
-        server, thread = prom.start_http_server(port, addr=addr, registry=registry)
+        server, thread = prom.start_http_server(port, addr=addr or "0.0.0.0",
+                                                registry=registry)
     except OSError as e:
         collector.close()
         raise ConfigError("metrics_port", f"cannot listen on {addr or '*'}:{port}: "
@@ -214,18 +215,25 @@ def serve_metrics(name: str, port: int, addr: str = ""):
     return server, thread, collector
 
 
-def check_port_free(port: int, addr: str = "") -> None:
-    """Raise ConfigError unless `addr:port` can be listened on now."""
+def check_port_free(port: int, addr: str = "", wait: float = 3.0) -> None:
+    """Raise ConfigError unless `addr:port` can be listened on within `wait`
+    seconds (the exporter of a killed coordinator takes a moment to go)."""
     import socket
-    probe = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    try:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        probe.bind((addr, port))
-    except OSError as e:
-        raise ConfigError("metrics_port", f"cannot listen on {addr or '*'}:{port}: "
-                          f"{e.strerror}") from None
-    finally:
-        probe.close()
+    import time
+    deadline = time.monotonic() + wait
+    while True:
+        probe = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind((addr, port))
+            return
+        except OSError as e:
+            if time.monotonic() >= deadline:
+                raise ConfigError("metrics_port", f"cannot listen on {addr or '*'}:{port}: "
+                                  f"{e.strerror}") from None
+            time.sleep(0.1)
+        finally:
+            probe.close()
 
 
 def start_exporter_process(name: str, port: int, addr: str = ""):
