@@ -1,4 +1,8 @@
-"""The `kvshm` command line: run, replay, check, ls, rm, demo, serve, stats."""
+"""The `kvshm` command line: run, replay, events, serve, stats, check, ls, rm,
+demo.  Exit status: 0 success; 1 the command did its work and found a
+problem (a check, a replay or a run that failed); 2 it could not do what it
+was asked (a usage error, something not found, a refusal); 130 interrupted
+(README.md, "Exit codes")."""
 
 from __future__ import annotations
 
@@ -8,6 +12,7 @@ import os
 import sys
 from pathlib import Path
 
+from kvshm import __version__
 from kvshm.core.errors import KvshmError
 
 REPO_TRACES = Path(__file__).resolve().parent.parent / "tests" / "data" / "conformance" / "traces"
@@ -19,6 +24,15 @@ def cmd_replay(args: argparse.Namespace) -> int:
 
     if args.connect and not args.ipc:
         print("kvshm replay: --connect goes with --ipc", file=sys.stderr)
+        return 2
+    if args.connect and not os.path.exists(args.connect):
+        print(f"kvshm replay: no coordinator listening at {args.connect} (no such socket)",
+              file=sys.stderr)
+        return 2
+    missing = [a for a in args.paths if not os.path.exists(a)]
+    if missing:
+        print(f"kvshm replay: no such file or directory: {', '.join(missing)}",
+              file=sys.stderr)
         return 2
     paths = list(expand_paths(args.paths))
     if not paths:
@@ -41,9 +55,14 @@ def cmd_replay(args: argparse.Namespace) -> int:
         reports = []
         try:
             if args.connect:
+                from kvshm.service.errors import ConnectionLost, HandshakeError
                 from kvshm.service.ipc_replay import replay_trace_connected
-                mismatch, seconds, report = replay_trace_connected(
-                    args.connect, cfg, ops, batch=args.batch_size if args.batch else 0)
+                try:
+                    mismatch, seconds, report = replay_trace_connected(
+                        args.connect, cfg, ops, batch=args.batch_size if args.batch else 0)
+                except (ConnectionLost, HandshakeError) as e:   # no coordinator to use
+                    print(f"kvshm replay: {e}", file=sys.stderr)
+                    return 2
                 if report is not None:
                     reports.append(report)
                     row["ipc_ops_per_s"] = len(ops) / seconds if seconds else None
@@ -191,9 +210,9 @@ def cmd_rm(args: argparse.Namespace) -> int:
         try:
             for removed in remove_pool(name, force=args.force):
                 print(f"removed {removed}")
-        except KvshmError as e:
+        except KvshmError as e:   # not found, or its owner lives: the others are removed
             print(f"kvshm rm: {e}", file=sys.stderr)
-            status = 1
+            status = 2
     return status
 
 
@@ -322,8 +341,13 @@ def cmd_stats(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="kvshm", description="Host-wide KV-cache block manager")
-    sub = ap.add_subparsers(dest="command", required=True)
+    ap = argparse.ArgumentParser(
+        prog="kvshm", description="Host-wide KV-cache block manager",
+        epilog="exit status: 0 success; 1 the command found a problem (a check, replay or "
+        "run that failed); 2 a usage error, something not found, or a refusal; 130 "
+        "interrupted")
+    ap.add_argument("--version", action="version", version=f"kvshm {__version__}")
+    sub = ap.add_subparsers(dest="command")   # none: main() prints the help
 
     p = sub.add_parser("run", help="the main job: a coordinator and N pinned CPU workers "
                        "sharing one KV pool on a workload, with a summary")
@@ -478,9 +502,9 @@ def cmd_events(args: argparse.Namespace) -> int:
             out.flush()
     except KeyboardInterrupt:
         return 130
-    except TimeoutError as e:
+    except TimeoutError as e:   # nothing answers at --replay-endpoint
         print(f"kvshm events: {e}", file=sys.stderr)
-        return 1
+        return 2
     finally:
         sub.close()
     return 0
@@ -491,7 +515,11 @@ def main(argv: list[str] | None = None) -> int:
         # A coordinator: a stop signal from now on stops it cleanly once up.
         from kvshm.service.process import defer_stop_signals
         defer_stop_signals()
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:   # a usage error: the help, on stderr, exit 2
+        parser.print_help(sys.stderr)
+        return 2
     try:
         return args.fn(args)
     except KvshmError as e:

@@ -3,8 +3,8 @@ blocking) and the coordinator (server.py).
 
 - `default_socket_path(name)`: where pool `name`'s coordinator listens by
   default (`kvshm serve --name NAME` without `--socket`); `socket_path(path,
-  name)`: the socket a client's `connect()` means; `admin_token_path` / `read_admin_token`: the admin token it
-  writes beside its socket.
+  name)`: the socket a client's `connect()` means; `admin_token_path` /
+  `read_admin_token`: the admin token it writes beside its socket.
 - `make_hello(...)`: the Hello a client sends (`connect()`'s arguments);
   `check_welcome(reply)`: the coordinator's answer, or its refusal raised.
 - `SessionInfo`: what a session knows of its pool from the Welcome (its
