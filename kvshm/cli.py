@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from kvshm import __version__
+from kvshm.core import fmt
 from kvshm.core.errors import KvshmError
 
 REPO_TRACES = Path(__file__).resolve().parent.parent / "tests" / "data" / "conformance" / "traces"
@@ -91,8 +92,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
                 row.update(runs=[round(t, 6) for t in times], median_s=med,
                            ops_per_s=len(ops) / med)
                 if not args.json:
-                    print(f"{path.name}: PASS ops={len(ops)} median={med:.4f}s "
-                          f"-> {len(ops) / med:,.0f} ops/s", flush=True)
+                    print(f"{path.name}: PASS ops={fmt.count(len(ops))} median={med:.4f}s "
+                          f"-> {fmt.count(len(ops) / med)} ops/s", flush=True)
         row["passed"] = problem is None
         if problem is None:
             passed += 1
@@ -183,8 +184,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
         state = "live" if r["alive"] else "STALE (owner dead: remove with `kvshm rm " \
             + r["name"] + "`)"
         kind = "KV arena" if r["kind"] == "arena" else "pool"
-        print(f"{r['name']}: {kind}, {r['bytes']:,} bytes, {r['num_blocks']} blocks, "
-              f"owner pid {r['pid']} {state}")
+        print(f"{r['name']}: {kind}, {fmt.nbytes(r['bytes'])}, {fmt.count(r['num_blocks'])} "
+              f"blocks, owner pid {r['pid']} {state}")
     return 0
 
 
@@ -225,18 +226,18 @@ def cmd_demo(args: argparse.Namespace) -> int:
     config = PoolConfig(num_blocks=args.num_blocks, hash_block_size=16, max_model_len=4096,
                         groups=(FullSpec(16),), max_num_seqs=256)
     spec = WorkloadSpec(num_requests=args.requests, seed=args.seed)
-    print(f"kvshm demo (embedded mode): one pool of {config.num_blocks} blocks x 16 tokens, "
-          f"full attention, max_model_len {config.max_model_len}")
+    print(f"kvshm demo (embedded mode): one pool of {fmt.count(config.num_blocks)} blocks x "
+          f"16 tokens, full attention, max_model_len {fmt.count(config.max_model_len)}")
     with KVCacheManager(config) as mgr:
-        print(f"  segment /dev/shm/{mgr.segment.name}: {mgr.segment.layout.size:,} bytes")
+        print(f"  segment /dev/shm/{mgr.segment.name}: {fmt.nbytes(mgr.segment.layout.size)}")
         res = run_workload(mgr, spec)
         report = check_segment(mgr.segment, mgr.block_pool)
-        print(f"  {res.finished} requests served in {res.steps} scheduler steps, "
-              f"{res.preemptions} preemptions")
-        print(f"  prefix-cache hit rate {res.hit_rate:.1%} of prompt tokens "
-              f"({res.hit_tokens:,} of {res.prompt_tokens:,})")
-        print(f"  peak usage {res.peak_usage:.1%}; {res.manager_calls:,} manager calls "
-              f"at {res.calls_per_second:,.0f} calls/s")
+        print(f"  {fmt.count(res.finished)} requests served in {fmt.count(res.steps)} "
+              f"scheduler steps, {fmt.count(res.preemptions)} preemptions")
+        print(f"  prefix-cache hit rate {fmt.percent(res.hit_rate)} of prompt tokens "
+              f"({fmt.count(res.hit_tokens)} of {fmt.count(res.prompt_tokens)})")
+        print(f"  peak usage {fmt.percent(res.peak_usage)}; {fmt.count(res.manager_calls)} "
+              f"manager calls at {fmt.count(res.calls_per_second)} calls/s")
         print(f"  pool check: {report.summary()}")
     traces = Path(args.traces)
     if traces.exists():
@@ -292,17 +293,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
     def ready(coord) -> None:
         if not args.quiet:
             seg = coord.mgr.segment
-            print(f"kvshm coordinator: pool {args.name!r}, {config.num_blocks} blocks, "
-                  f"{len(config.groups)} group(s), caching "
+            print(f"kvshm coordinator: pool {args.name!r}, {fmt.count(config.num_blocks)} "
+                  f"blocks, {len(config.groups)} group(s), caching "
                   f"{'on' if config.enable_caching else 'off'}; segment /dev/shm/{seg.name} "
-                  f"({seg.layout.size:,} bytes); hash {config.hash_algorithm} "
+                  f"({fmt.nbytes(seg.layout.size)}); hash {config.hash_algorithm} "
                   f"fingerprint {coord.fingerprint}", flush=True)
             if coord.arena is not None:
                 kv = config.kv
                 print(f"kvshm coordinator: KV arena /dev/shm/{coord.arena.name} "
-                      f"({coord.arena.layout.size:,} bytes: {kv.num_layers} layers x "
+                      f"({fmt.nbytes(coord.arena.layout.size)}: {kv.num_layers} layers x "
                       f"{kv.num_kv_heads} KV heads x {kv.head_size}, {kv.dtype}, "
-                      f"{config.kv_block_bytes:,} bytes a block, {kv.layout} layout)",
+                      f"{fmt.nbytes(config.kv_block_bytes)} a block, {kv.layout} layout)",
                       flush=True)
         print(f"ready {args.name} {sock}", flush=True)
 
@@ -323,20 +324,21 @@ def cmd_stats(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(st, indent=2))
         return 0
-    print(f"pool {name}: {st['num_blocks']} blocks, {st['num_free_blocks']} free, "
-          f"{st['num_cached_blocks']} cached, {st['num_used_blocks']} used "
-          f"(usage {st['usage']:.1%})")
-    print(f"  requests {st['num_requests']}; prefix cache: {st['queries']} lookups, "
-          f"{st['hits']} with a hit; {st['hit_tokens']} of {st['query_tokens']} tokens hit; "
-          f"{st['blocks_allocated']} blocks allocated, {st['blocks_evicted']} evicted")
+    n = {k: fmt.count(v) for k, v in st.items() if isinstance(v, int)}
+    print(f"pool {name}: {n['num_blocks']} blocks, {n['num_free_blocks']} free, "
+          f"{n['num_cached_blocks']} cached, {n['num_used_blocks']} used "
+          f"(usage {fmt.percent(st['usage'])})")
+    print(f"  requests {n['num_requests']}; prefix cache: {n['queries']} lookups, "
+          f"{n['hits']} with a hit; {n['hit_tokens']} of {n['query_tokens']} tokens hit; "
+          f"{n['blocks_allocated']} blocks allocated, {n['blocks_evicted']} evicted")
     if st["coordinator_alive"]:
         state = f"(alive), up {st['uptime_s']:.0f}s"
     else:
         state = f"(dead: not running; remove the stale pool with `kvshm rm {name}`)"
     print(f"  coordinator pid {st['coordinator_pid']} {state}, generation {st['generation']}")
     for sess in st["sessions"]:
-        print(f"  session {sess['session']}: {sess['requests']} requests, "
-              f"{sess['blocks']} block references")
+        print(f"  session {sess['session']}: {fmt.count(sess['requests'])} requests, "
+              f"{fmt.count(sess['blocks'])} block references")
     return 0
 
 

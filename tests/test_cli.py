@@ -17,6 +17,7 @@ from helpers import make_config
 import kvshm
 from kvshm import FullSpec, KVCacheManager, PoolConfig, Request
 from kvshm.cli import main
+from kvshm.core import fmt
 from kvshm.core.segment import SHM_DIR, PoolSegment
 
 TRACES = Path(__file__).parent / "data" / "conformance" / "traces"
@@ -323,3 +324,30 @@ def test_serve_refuses_a_config_with_an_unknown_key(tmp_path, sockdir):
         "kvshm serve: groups[0].blocksize: unknown key; did you mean `block_size`? "
         "valid keys: block_size, type"]
     assert not (sockdir / "s.sock").exists()
+
+
+# -- number formatting ---------------------------------------------------------------------
+
+
+def test_the_number_helpers():
+    assert fmt.count(1234567) == "1,234,567" and fmt.count(2.5e3 + 0.4) == "2,500"
+    assert fmt.nbytes(1048576) == "1,048,576 bytes"
+    assert fmt.percent(0.1234) == "12.3%" and fmt.percent(1) == "100.0%"
+
+
+def test_stats_ls_and_check_write_counts_alike(capsys):
+    """Counts have thousands separators in every human-readable output (`ls`
+    and `stats` printed "1500 blocks" where `demo` printed "1,500")."""
+    name = f"kvshm-test-{secrets.token_hex(5)}"
+    with KVCacheManager(make_config(num_blocks=1500), name=name) as m:
+        m.allocate_slots(Request("a", list(range(9)), m.make_hasher()), 9)
+        assert main(["stats", name]) == 0
+        assert capsys.readouterr().out.startswith(
+            f"pool {name}: 1,500 blocks, 1,496 free, 2 cached, 3 used (usage 0.2%)\n")
+        assert main(["ls"]) == 0
+        line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith(name))
+        assert line.startswith(f"{name}: pool, {fmt.nbytes(m.segment.layout.size)}, "
+                               "1,500 blocks, owner pid")
+        assert main(["check", name]) == 0
+        assert capsys.readouterr().out == \
+            f"pool {name}: clean: 1,500 blocks, 1,496 free, 2 cached, 1 requests\n"
