@@ -429,7 +429,7 @@ def check_keys(data: Any, cls: type, path: str = "") -> None:
     the one its tag names): ConfigError naming the key's path
     (`groups[0].blocksize`), the close match if there is one and the valid
     names.  Values of any other shape are left to decoding, which names
-    them.  `path` prefixes the paths (e.g. "kv_events")."""
+    them.  `path` prefixes the paths it names."""
     _check_keys(data, msgspec.inspect.type_info(cls), path)
 
 
