@@ -1,4 +1,8 @@
-"""The `kvshm` command line: run, replay, check, ls, rm, demo, serve, stats."""
+"""The `kvshm` command line: run, replay, events, serve, stats, check, ls, rm,
+demo.  Exit status: 0 success; 1 the command did its work and found a
+problem (a check, a replay or a run that failed); 2 it could not do what it
+was asked (a usage error, something not found, a refusal); 130 interrupted
+(README.md, "Exit codes")."""
 
 from __future__ import annotations
 
@@ -8,6 +12,8 @@ import os
 import sys
 from pathlib import Path
 
+from kvshm import __version__
+from kvshm.core import fmt
 from kvshm.core.errors import KvshmError
 
 REPO_TRACES = Path(__file__).resolve().parent.parent / "tests" / "data" / "conformance" / "traces"
@@ -19,6 +25,15 @@ def cmd_replay(args: argparse.Namespace) -> int:
 
     if args.connect and not args.ipc:
         print("kvshm replay: --connect goes with --ipc", file=sys.stderr)
+        return 2
+    if args.connect and not os.path.exists(args.connect):
+        print(f"kvshm replay: no coordinator listening at {args.connect} (no such socket)",
+              file=sys.stderr)
+        return 2
+    missing = [a for a in args.paths if not os.path.exists(a)]
+    if missing:
+        print(f"kvshm replay: no such file or directory: {', '.join(missing)}",
+              file=sys.stderr)
         return 2
     paths = list(expand_paths(args.paths))
     if not paths:
@@ -41,9 +56,14 @@ def cmd_replay(args: argparse.Namespace) -> int:
         reports = []
         try:
             if args.connect:
+                from kvshm.service.errors import ConnectionLost, HandshakeError
                 from kvshm.service.ipc_replay import replay_trace_connected
-                mismatch, seconds, report = replay_trace_connected(
-                    args.connect, cfg, ops, batch=args.batch_size if args.batch else 0)
+                try:
+                    mismatch, seconds, report = replay_trace_connected(
+                        args.connect, cfg, ops, batch=args.batch_size if args.batch else 0)
+                except (ConnectionLost, HandshakeError) as e:   # no coordinator to use
+                    print(f"kvshm replay: {e}", file=sys.stderr)
+                    return 2
                 if report is not None:
                     reports.append(report)
                     row["ipc_ops_per_s"] = len(ops) / seconds if seconds else None
@@ -72,8 +92,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
                 row.update(runs=[round(t, 6) for t in times], median_s=med,
                            ops_per_s=len(ops) / med)
                 if not args.json:
-                    print(f"{path.name}: PASS ops={len(ops)} median={med:.4f}s "
-                          f"-> {len(ops) / med:,.0f} ops/s", flush=True)
+                    print(f"{path.name}: PASS ops={fmt.count(len(ops))} median={med:.4f}s "
+                          f"-> {fmt.count(len(ops) / med)} ops/s", flush=True)
         row["passed"] = problem is None
         if problem is None:
             passed += 1
@@ -164,8 +184,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
         state = "live" if r["alive"] else "STALE (owner dead: remove with `kvshm rm " \
             + r["name"] + "`)"
         kind = "KV arena" if r["kind"] == "arena" else "pool"
-        print(f"{r['name']}: {kind}, {r['bytes']:,} bytes, {r['num_blocks']} blocks, "
-              f"owner pid {r['pid']} {state}")
+        print(f"{r['name']}: {kind}, {fmt.nbytes(r['bytes'])}, {fmt.count(r['num_blocks'])} "
+              f"blocks, owner pid {r['pid']} {state}")
     return 0
 
 
@@ -191,9 +211,9 @@ def cmd_rm(args: argparse.Namespace) -> int:
         try:
             for removed in remove_pool(name, force=args.force):
                 print(f"removed {removed}")
-        except KvshmError as e:
+        except KvshmError as e:   # not found, or its owner lives: the others are removed
             print(f"kvshm rm: {e}", file=sys.stderr)
-            status = 1
+            status = 2
     return status
 
 
@@ -206,18 +226,18 @@ def cmd_demo(args: argparse.Namespace) -> int:
     config = PoolConfig(num_blocks=args.num_blocks, hash_block_size=16, max_model_len=4096,
                         groups=(FullSpec(16),), max_num_seqs=256)
     spec = WorkloadSpec(num_requests=args.requests, seed=args.seed)
-    print(f"kvshm demo (embedded mode): one pool of {config.num_blocks} blocks x 16 tokens, "
-          f"full attention, max_model_len {config.max_model_len}")
+    print(f"kvshm demo (embedded mode): one pool of {fmt.count(config.num_blocks)} blocks x "
+          f"16 tokens, full attention, max_model_len {fmt.count(config.max_model_len)}")
     with KVCacheManager(config) as mgr:
-        print(f"  segment /dev/shm/{mgr.segment.name}: {mgr.segment.layout.size:,} bytes")
+        print(f"  segment /dev/shm/{mgr.segment.name}: {fmt.nbytes(mgr.segment.layout.size)}")
         res = run_workload(mgr, spec)
         report = check_segment(mgr.segment, mgr.block_pool)
-        print(f"  {res.finished} requests served in {res.steps} scheduler steps, "
-              f"{res.preemptions} preemptions")
-        print(f"  prefix-cache hit rate {res.hit_rate:.1%} of prompt tokens "
-              f"({res.hit_tokens:,} of {res.prompt_tokens:,})")
-        print(f"  peak usage {res.peak_usage:.1%}; {res.manager_calls:,} manager calls "
-              f"at {res.calls_per_second:,.0f} calls/s")
+        print(f"  {fmt.count(res.finished)} requests served in {fmt.count(res.steps)} "
+              f"scheduler steps, {fmt.count(res.preemptions)} preemptions")
+        print(f"  prefix-cache hit rate {fmt.percent(res.hit_rate)} of prompt tokens "
+              f"({fmt.count(res.hit_tokens)} of {fmt.count(res.prompt_tokens)})")
+        print(f"  peak usage {fmt.percent(res.peak_usage)}; {fmt.count(res.manager_calls)} "
+              f"manager calls at {fmt.count(res.calls_per_second)} calls/s")
         print(f"  pool check: {report.summary()}")
     traces = Path(args.traces)
     if traces.exists():
@@ -279,17 +299,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
     def ready(coord) -> None:
         if not args.quiet:
             seg = coord.mgr.segment
-            print(f"kvshm coordinator: pool {args.name!r}, {config.num_blocks} blocks, "
-                  f"{len(config.groups)} group(s), caching "
+            print(f"kvshm coordinator: pool {args.name!r}, {fmt.count(config.num_blocks)} "
+                  f"blocks, {len(config.groups)} group(s), caching "
                   f"{'on' if config.enable_caching else 'off'}; segment /dev/shm/{seg.name} "
-                  f"({seg.layout.size:,} bytes); hash {config.hash_algorithm} "
+                  f"({fmt.nbytes(seg.layout.size)}); hash {config.hash_algorithm} "
                   f"fingerprint {coord.fingerprint}", flush=True)
             if coord.arena is not None:
                 kv = config.kv
                 print(f"kvshm coordinator: KV arena /dev/shm/{coord.arena.name} "
-                      f"({coord.arena.layout.size:,} bytes: {kv.num_layers} layers x "
+                      f"({fmt.nbytes(coord.arena.layout.size)}: {kv.num_layers} layers x "
                       f"{kv.num_kv_heads} KV heads x {kv.head_size}, {kv.dtype}, "
-                      f"{config.kv_block_bytes:,} bytes a block, {kv.layout} layout)",
+                      f"{fmt.nbytes(config.kv_block_bytes)} a block, {kv.layout} layout)",
                       flush=True)
         if args.metrics_port is not None:
             children.append(exporter.start_exporter_process(args.name, args.metrics_port))
@@ -318,12 +338,13 @@ def cmd_stats(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(st, indent=2))
         return 0
-    print(f"pool {name}: {st['num_blocks']} blocks, {st['num_free_blocks']} free, "
-          f"{st['num_cached_blocks']} cached, {st['num_used_blocks']} used "
-          f"(usage {st['usage']:.1%})")
-    print(f"  requests {st['num_requests']}; prefix cache: {st['queries']} lookups, "
-          f"{st['hits']} with a hit; {st['hit_tokens']} of {st['query_tokens']} tokens hit; "
-          f"{st['blocks_allocated']} blocks allocated, {st['blocks_evicted']} evicted")
+    n = {k: fmt.count(v) for k, v in st.items() if isinstance(v, int)}
+    print(f"pool {name}: {n['num_blocks']} blocks, {n['num_free_blocks']} free, "
+          f"{n['num_cached_blocks']} cached, {n['num_used_blocks']} used "
+          f"(usage {fmt.percent(st['usage'])})")
+    print(f"  requests {n['num_requests']}; prefix cache: {n['queries']} lookups, "
+          f"{n['hits']} with a hit; {n['hit_tokens']} of {n['query_tokens']} tokens hit; "
+          f"{n['blocks_allocated']} blocks allocated, {n['blocks_evicted']} evicted")
     if st["coordinator_alive"]:
         state = f"(alive), up {st['uptime_s']:.0f}s"
     else:
@@ -337,14 +358,19 @@ def cmd_stats(args: argparse.Namespace) -> int:
               f"{t['quota_refusals']} refused); {t['hit_tokens']} of {t['query_tokens']} "
               f"tokens hit")
     for sess in st["sessions"]:
-        print(f"  session {sess['session']}: {sess['requests']} requests, "
-              f"{sess['blocks']} block references")
+        print(f"  session {sess['session']}: {fmt.count(sess['requests'])} requests, "
+              f"{fmt.count(sess['blocks'])} block references")
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="kvshm", description="Host-wide KV-cache block manager")
-    sub = ap.add_subparsers(dest="command", required=True)
+    ap = argparse.ArgumentParser(
+        prog="kvshm", description="Host-wide KV-cache block manager",
+        epilog="exit status: 0 success; 1 the command found a problem (a check, replay or "
+        "run that failed); 2 a usage error, something not found, or a refusal; 130 "
+        "interrupted")
+    ap.add_argument("--version", action="version", version=f"kvshm {__version__}")
+    sub = ap.add_subparsers(dest="command")   # none: main() prints the help
 
     p = sub.add_parser("run", help="the main job: a coordinator and N pinned CPU workers "
                        "sharing one KV pool on a workload, with a summary")
@@ -516,9 +542,9 @@ def cmd_events(args: argparse.Namespace) -> int:
             out.flush()
     except KeyboardInterrupt:
         return 130
-    except TimeoutError as e:
+    except TimeoutError as e:   # nothing answers at --replay-endpoint
         print(f"kvshm events: {e}", file=sys.stderr)
-        return 1
+        return 2
     finally:
         sub.close()
     return 0
@@ -529,7 +555,11 @@ def main(argv: list[str] | None = None) -> int:
         # A coordinator: a stop signal from now on stops it cleanly once up.
         from kvshm.service.process import defer_stop_signals
         defer_stop_signals()
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:   # a usage error: the help, on stderr, exit 2
+        parser.print_help(sys.stderr)
+        return 2
     try:
         return args.fn(args)
     except KvshmError as e:

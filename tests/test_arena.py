@@ -290,6 +290,6 @@ def test_kvshm_ls_and_rm_know_arenas(capsys):
         line = next(ln for ln in capsys.readouterr().out.splitlines()
                     if ln.startswith(arena.name))
         assert f"KV arena, {arena.layout.size:,} bytes, 16 blocks" in line and "live" in line
-        assert main(["rm", arena.name]) == 1
+        assert main(["rm", arena.name]) == 2
         assert "live process" in capsys.readouterr().err
         assert os.path.exists(f"{SHM_DIR}/{arena.name}")

@@ -14,8 +14,10 @@ from pathlib import Path
 import pytest
 from helpers import make_config
 
+import kvshm
 from kvshm import FullSpec, KVCacheManager, PoolConfig, Request
 from kvshm.cli import main
+from kvshm.core import fmt
 from kvshm.core.segment import SHM_DIR, PoolSegment
 
 TRACES = Path(__file__).parent / "data" / "conformance" / "traces"
@@ -223,3 +225,129 @@ def test_stats_of_a_dead_coordinator_has_no_uptime(stale_pool, capsys):
     doc = json.loads(capsys.readouterr().out)
     assert doc["coordinator_pid"] == DEAD_PID
     assert doc["coordinator_alive"] is False and doc["uptime_s"] is None
+
+
+# -- usage, version, exit codes ----------------------------------------------------------
+
+
+def exit_status(argv: list[str]) -> int:
+    """What `kvshm ARGV` exits with (argparse's own errors exit through SystemExit)."""
+    try:
+        return main(argv)
+    except SystemExit as e:
+        return e.code
+
+
+def test_version(capsys):
+    assert exit_status(["--version"]) == 0
+    assert capsys.readouterr().out == f"kvshm {kvshm.__version__}\n"
+
+
+def test_no_command_prints_the_help_and_exits_2(capsys):
+    assert main([]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith("usage: kvshm")
+    for command in ("run", "replay", "events", "serve", "stats", "check", "ls", "rm", "demo"):
+        assert f"\n    {command} " in err
+    assert "exit status: 0 success; 1" in err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["rm"], "kvshm rm: name pools to remove, or pass --stale (not both)"),
+    (["rm", "--stale", "kvshm-x"], "kvshm rm: name pools to remove, or pass --stale"),
+    (["events", "--from", "-1"], "kvshm events: --from must be >= 0"),
+    (["events", "--endpoint", "nonsense"],
+     "kvshm events: endpoint: cannot connect to nonsense: Invalid argument"),
+    (["events", "--replay-endpoint", "nonsense", "--from", "0"],
+     "kvshm events: replay_endpoint: cannot connect to nonsense: Invalid argument"),
+    (["stats", "--bogus"], "unrecognized arguments: --bogus"),
+    (["check"], "the following arguments are required: name"),
+    (["replay", "--runs"], "argument --runs: expected one argument"),
+    (["nope"], "invalid choice: 'nope'"),
+], ids=lambda v: "-".join(v) if isinstance(v, list) else None)
+def test_usage_errors_exit_2(argv, message, capsys):
+    assert exit_status(argv) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and message in err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["rm", "kvshm-test-nope"], "kvshm rm: no kvshm pool or arena named 'kvshm-test-nope'"),
+    (["check", "kvshm-test-nope"], "kvshm check: no shared-memory segment named"),
+    (["stats", "kvshm-test-nope"], "kvshm stats: no shared-memory segment named"),
+    (["replay", str(ONE), "/nonexistent/t.jsonl"],
+     "kvshm replay: no such file or directory: /nonexistent/t.jsonl"),
+    (["replay", "--ipc", "--connect", "/nonexistent/s.sock", str(ONE)],
+     "kvshm replay: no coordinator listening at /nonexistent/s.sock (no such socket)"),
+], ids=["rm", "check", "stats", "replay-file", "replay-socket"])
+def test_what_is_not_found_exits_2_and_nothing_runs(argv, message, capsys):
+    """Before, `rm` of an unknown pool and `replay` of a missing file or
+    socket exited 1, as for a problem found; `check` and `stats` exited 2."""
+    assert exit_status(argv) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith(message)
+
+
+def test_replay_through_a_socket_nothing_listens_on_exits_2(sockdir, capsys):
+    (sockdir / "s.sock").write_text("")       # no coordinator, no admin token beside it
+    assert main(["replay", "--ipc", "--connect", str(sockdir / "s.sock"), str(ONE)]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith("kvshm replay: cannot read the admin token")
+
+
+def test_events_whose_replay_endpoint_does_not_answer_exits_2(capsys):
+    assert main(["events", "--replay-endpoint", "tcp://127.0.0.1:1", "--from", "0"]) == 2
+    assert "kvshm events: no answer from the replay endpoint tcp://127.0.0.1:1" in \
+        capsys.readouterr().err
+
+
+def test_rm_of_a_live_pool_exits_2_and_removes_the_others(stale_pool, capsys):
+    with KVCacheManager(make_config(), name=f"kvshm-test-{secrets.token_hex(5)}") as live:
+        assert main(["rm", live.segment.name, stale_pool]) == 2
+        out, err = capsys.readouterr()
+        assert out == f"removed {stale_pool}\n"
+        assert err == f"kvshm rm: {live.segment.name!r} belongs to live process " \
+            f"{os.getpid()}; stop it first (or pass --force)\n"
+        assert os.path.exists(f"{SHM_DIR}/{live.segment.name}")
+    assert not os.path.exists(f"{SHM_DIR}/{stale_pool}")
+
+
+def test_serve_refuses_a_config_with_an_unknown_key(tmp_path, sockdir):
+    cfg = tmp_path / "pool.toml"
+    cfg.write_text('num_blocks = 64\nhash_block_size = 16\nmax_model_len = 256\n'
+                   '[[groups]]\ntype = "full"\nblocksize = 16\n')
+    proc = subprocess.run([sys.executable, "-m", "kvshm", "serve", "--config", str(cfg),
+                           "--socket", str(sockdir / "s.sock"), "--name", "kvshm-test-keys"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.splitlines() == [
+        "kvshm serve: groups[0].blocksize: unknown key; did you mean `block_size`? "
+        "valid keys: block_size, type"]
+    assert not (sockdir / "s.sock").exists()
+
+
+# -- number formatting ---------------------------------------------------------------------
+
+
+def test_the_number_helpers():
+    assert fmt.count(1234567) == "1,234,567" and fmt.count(2.5e3 + 0.4) == "2,500"
+    assert fmt.nbytes(1048576) == "1,048,576 bytes"
+    assert fmt.percent(0.1234) == "12.3%" and fmt.percent(1) == "100.0%"
+
+
+def test_stats_ls_and_check_write_counts_alike(capsys):
+    """Counts have thousands separators in every human-readable output (`ls`
+    and `stats` printed "1500 blocks" where `demo` printed "1,500")."""
+    name = f"kvshm-test-{secrets.token_hex(5)}"
+    with KVCacheManager(make_config(num_blocks=1500), name=name) as m:
+        m.allocate_slots(Request("a", list(range(9)), m.make_hasher()), 9)
+        assert main(["stats", name]) == 0
+        assert capsys.readouterr().out.startswith(
+            f"pool {name}: 1,500 blocks, 1,496 free, 2 cached, 3 used (usage 0.2%)\n")
+        assert main(["ls"]) == 0
+        line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith(name))
+        assert line.startswith(f"{name}: pool, {fmt.nbytes(m.segment.layout.size)}, "
+                               "1,500 blocks, owner pid")
+        assert main(["check", name]) == 0
+        assert capsys.readouterr().out == \
+            f"pool {name}: clean: 1,500 blocks, 1,496 free, 2 cached, 1 requests\n"

@@ -375,6 +375,60 @@ def test_file_with_a_broken_rule_names_the_rule_field(tmp_path):
     assert e.value.field == "groups[1].sliding_window"
 
 
+@pytest.mark.parametrize(
+    "old, new, path, hint, valid",
+    [
+        ("block_size = 4\n\n[[groups]]", "blocksize = 4\n\n[[groups]]", "groups[0].blocksize",
+         "did you mean `block_size`? ", "block_size, type"),
+        ("sliding_window = 8", "sliding_windw = 8", "groups[1].sliding_windw",
+         "did you mean `sliding_window`? ", "block_size, sliding_window, type"),
+        ("num_blocks = 24", "num_block = 24", "num_block", "did you mean `num_blocks`? ",
+         "num_blocks, hash_block_size, max_model_len, groups, enable_caching, use_eagle, "
+         "dcp_world_size, max_num_seqs, max_encoder_len, hash_algorithm, hash_seed, kv"),
+        ("max_num_seqs = 8", "max_num_seqs = 8\ncolour = 1", "colour", "",
+         "num_blocks, hash_block_size"),
+        ("max_num_seqs = 8", "max_num_seqs = 8\n[kv]\nnum_layers = 1\nnum_kv_heads = 1\n"
+         "head_size = 8\ndtyp = \"float32\"", "kv.dtyp", "did you mean `dtype`? ",
+         "num_layers, num_kv_heads, head_size, dtype, layout"),
+    ],
+    ids=["group-typo", "second-group-typo", "top-typo", "top-no-match", "kv-typo"],
+)
+def test_a_file_with_an_unknown_key_is_refused_with_a_close_match(tmp_path, old, new, path,
+                                                                   hint, valid):
+    """A key no field has (a typo is the usual cause) is a ConfigError naming
+    its path, the close match and the valid keys; before, a typo of an
+    optional key was silently ignored and one of a required key was
+    reported as the required field missing."""
+    assert old in TOML
+    p = tmp_path / "pool.toml"
+    p.write_text(TOML.replace(old, new, 1))
+    with pytest.raises(ConfigError) as e:
+        PoolConfig.from_file(p)
+    assert e.value.field == path
+    assert str(e.value).startswith(f"{path}: unknown key; {hint}valid keys: {valid}")
+
+
+def test_a_json_file_with_an_unknown_key_is_refused(tmp_path):
+    p = tmp_path / "pool.json"
+    p.write_text(json.dumps({**BASE_DICT, "hash_seeds": "x"}))
+    with pytest.raises(ConfigError, match="did you mean `hash_seed`") as e:
+        PoolConfig.from_file(p)
+    assert e.value.field == "hash_seeds"
+
+
+def test_from_dict_strict_refuses_what_it_otherwise_ignores():
+    data = {**BASE_DICT, "groups": [{"type": "full", "block_size": 4, "lora": 1}]}
+    assert PoolConfig.from_dict(data) == config()
+    with pytest.raises(ConfigError) as e:
+        PoolConfig.from_dict(data, strict=True)
+    assert e.value.field == "groups[0].lora"
+    # An unknown group type is decoding's to report, as without `strict`.
+    with pytest.raises(ConfigError) as e:
+        PoolConfig.from_dict({**BASE_DICT, "groups": [{"type": "fulll", "block_size": 4}]},
+                             strict=True)
+    assert e.value.field == "groups[0].type"
+
+
 def test_json_file_holding_a_list(tmp_path):
     p = tmp_path / "pool.json"
     p.write_text("[1, 2]")

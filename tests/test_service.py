@@ -417,6 +417,34 @@ def test_default_socket_path(monkeypatch):
     assert default_socket_path("pool") == Path(f"/tmp/kvshm-{os.getuid()}/pool.sock")
 
 
+def test_connect_by_pool_name(pool_name, sockdir, monkeypatch):
+    """connect(name=...) reaches the coordinator of `kvshm serve --name NAME`
+    started without --socket, and reads the admin token beside that socket."""
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(sockdir))
+
+    async def run():
+        async with await connect(name=pool_name, admin=True) as c:
+            await c.reset_prefix_cache()      # admin: the token beside the socket was read
+            return c.pool_segment, (await c.stats()).num_blocks
+
+    with CoordinatorProcess(make_config(), name=pool_name, default_socket=True) as proc:
+        assert proc.socket == sockdir / "kvshm" / f"{pool_name}.sock"
+        assert asyncio.run(run()) == (pool_name, 10)
+
+
+async def test_connect_takes_a_path_or_a_name(sockdir, monkeypatch):
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(sockdir))
+    with pytest.raises(TypeError, match="not both"):
+        await connect(sockdir / "x.sock", name="kvshm")
+    with pytest.raises(TypeError, match="not neither"):
+        await connect()
+    for bad in ("a/b", "", "..", 7):
+        with pytest.raises(InvalidArgument, match="bad pool name"):
+            await connect(name=bad)
+    with pytest.raises(ConnectionLost, match=str(sockdir / "kvshm" / "kvshm-test-none.sock")):
+        await connect(name="kvshm-test-none")
+
+
 def test_serve_with_a_token_file(tmp_path):
     token = tmp_path / "token"
     token.write_text("file-token\n")

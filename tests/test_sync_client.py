@@ -214,3 +214,24 @@ def test_a_fresh_pool_cannot_resume_the_session(pool_name):
         with pytest.raises(ResumeFailed):
             c.get_block_ids("a")
         c.close()
+
+
+def test_connect_by_pool_name(pool_name, sockdir, monkeypatch):
+    """connect_sync(name=...) reaches `kvshm serve --name NAME`'s default socket."""
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(sockdir))
+    with CoordinatorProcess(CFG, name=pool_name, default_socket=True):
+        with connect_sync(name=pool_name, admin=True) as c:
+            c.reset_prefix_cache()
+            assert c.pool_segment == pool_name and c.stats().num_blocks == CFG.num_blocks
+
+
+def test_connect_takes_a_path_or_a_name(sockdir, monkeypatch):
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(sockdir))
+    with pytest.raises(TypeError, match="not both"):
+        connect_sync(sockdir / "x.sock", name="kvshm")
+    with pytest.raises(TypeError, match="not neither"):
+        connect_sync()
+    with pytest.raises(InvalidArgument, match="bad pool name"):
+        connect_sync(name="a/b")
+    with pytest.raises(ConnectionLost, match=str(sockdir / "kvshm" / "kvshm-test-none.sock")):
+        connect_sync(name="kvshm-test-none")

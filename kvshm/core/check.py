@@ -11,6 +11,7 @@ from __future__ import annotations
 from array import array
 from dataclasses import dataclass, field
 
+from kvshm.core import fmt
 from kvshm.core.hashing import HASH_SLOT_BYTES
 from kvshm.core.segment import (
     FLAG_CACHED,
@@ -44,8 +45,9 @@ class CheckReport:
             self.problems.append("... (more problems not listed)")
 
     def summary(self) -> str:
-        head = (f"{self.num_blocks} blocks, {self.num_free_blocks} free, "
-                f"{self.num_cached_blocks} cached, {self.num_requests} requests")
+        head = (f"{fmt.count(self.num_blocks)} blocks, {fmt.count(self.num_free_blocks)} "
+                f"free, {fmt.count(self.num_cached_blocks)} cached, "
+                f"{fmt.count(self.num_requests)} requests")
         if self.clean:
             return f"clean: {head}"
         return f"BROKEN ({len(self.problems)} problems): {head}\n" + "\n".join(

@@ -9,6 +9,7 @@ kvshm/config.py's job.)
 
 from __future__ import annotations
 
+import difflib
 import json
 import math
 import tomllib
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import Any, Union
 
 import msgspec
+import msgspec.inspect
 
 from kvshm.core.errors import ConfigError
 from kvshm.core.hashing import (
@@ -377,10 +379,15 @@ class PoolConfig(msgspec.Struct, frozen=True, kw_only=True):
 
     # -- loading -------------------------------------------------------------
     @classmethod
-    def from_dict(cls, data: dict[str, Any], **overrides: Any) -> "PoolConfig":
-        """Build from a mapping (unknown keys are ignored); raises ConfigError."""
+    def from_dict(cls, data: dict[str, Any], *, strict: bool = False,
+                  **overrides: Any) -> "PoolConfig":
+        """Build from a mapping; raises ConfigError.  Unknown keys are
+        ignored (a trace's config line has its own), or with `strict`
+        refused (see `check_keys`)."""
         if not isinstance(data, dict):
             raise ConfigError("config", f"expected a mapping, got {type(data).__name__}")
+        if strict:
+            check_keys(data, cls)
         data = {**data, **overrides}
         try:
             return msgspec.convert(data, cls)
@@ -391,7 +398,8 @@ class PoolConfig(msgspec.Struct, frozen=True, kw_only=True):
 
     @classmethod
     def from_file(cls, path: str | Path, **overrides: Any) -> "PoolConfig":
-        """Load a `.toml` or `.json` file."""
+        """Load a `.toml` or `.json` file; a key that is no field (of the
+        config, a group spec or `kv`) is refused, naming the valid ones."""
         path = Path(path)
         try:
             raw = path.read_bytes()
@@ -404,7 +412,7 @@ class PoolConfig(msgspec.Struct, frozen=True, kw_only=True):
                 data = json.loads(raw)
         except (ValueError, UnicodeDecodeError) as e:
             raise ConfigError("config", f"{path} is not valid {path.suffix[1:] or 'JSON'}: {e}") from None
-        return cls.from_dict(data, **overrides)
+        return cls.from_dict(data, strict=True, **overrides)
 
     @classmethod
     def from_json(cls, raw: bytes) -> "PoolConfig":
@@ -413,6 +421,41 @@ class PoolConfig(msgspec.Struct, frozen=True, kw_only=True):
         except (ValueError, UnicodeDecodeError) as e:
             raise ConfigError("config", f"not valid JSON: {e}") from None
         return cls.from_dict(data)
+
+
+def check_keys(data: Any, cls: type, path: str = "") -> None:
+    """Refuse a key of mapping `data` that no field of the msgspec Struct
+    `cls` has, nor of the Structs nested in it (a tagged union's member is
+    the one its tag names): ConfigError naming the key's path
+    (`groups[0].blocksize`), the close match if there is one and the valid
+    names.  Values of any other shape are left to decoding, which names
+    them.  `path` prefixes the paths it names."""
+    _check_keys(data, msgspec.inspect.type_info(cls), path)
+
+
+def _check_keys(data: Any, info: msgspec.inspect.Type, path: str) -> None:
+    mi = msgspec.inspect
+    if isinstance(info, mi.UnionType):
+        for member in info.types:
+            if isinstance(member, mi.StructType) and isinstance(data, dict) and (
+                    member.tag_field is None or data.get(member.tag_field) == member.tag):
+                _check_keys(data, member, path)
+                return
+    elif isinstance(info, (mi.ListType, mi.VarTupleType)) and isinstance(data, list):
+        for i, item in enumerate(data):
+            _check_keys(item, info.item_type, f"{path}[{i}]")
+    elif isinstance(info, mi.StructType) and isinstance(data, dict):
+        fields = {f.encode_name: f for f in info.fields}
+        valid = [*fields, *([info.tag_field] if info.tag_field else [])]
+        for key in data:
+            if key not in valid:
+                near = difflib.get_close_matches(str(key), valid, n=1)
+                hint = f"did you mean `{near[0]}`? " if near else ""
+                raise ConfigError(f"{path}.{key}" if path else str(key),
+                                  f"unknown key; {hint}valid keys: {', '.join(valid)}")
+        for key, value in data.items():
+            if key in fields:
+                _check_keys(value, fields[key].type, f"{path}.{key}" if path else key)
 
 
 def attention_types(groups: tuple[GroupSpec, ...]) -> list[tuple[GroupSpec, list[int]]]:

@@ -45,7 +45,7 @@ from kvshm.service.errors import (
     raise_reply,
 )
 from kvshm.service.framing import REPLY_LIMIT_BYTES, FrameReader, encode_frame
-from kvshm.service.handshake import SessionInfo, check_welcome, make_hello
+from kvshm.service.handshake import SessionInfo, check_welcome, make_hello, socket_path
 from kvshm.service.resume import Reconnect, RequestMirror
 
 
@@ -425,13 +425,16 @@ class Client(SessionInfo):
         return decode_events((await self.call(p.TakeEvents(), timeout)).payload)
 
 
-async def connect(path: str | os.PathLike, *, tenant: str = "", node: int = -1,
+async def connect(path: str | os.PathLike | None = None, *, name: str | None = None,
+                  tenant: str = "", node: int = -1,
                   token: str | None = None, admin: bool = False,
                   admin_token: str | None = None,
                   hash_algorithm: str | None = DEFAULT_HASH_ALGORITHM,
                   hash_seed: str = DEFAULT_HASH_SEED, timeout: float = 10.0,
                   reconnect: "Reconnect | None" = None, resume: bool = True) -> Client:
-    """Open a session.  `admin=True` reads the coordinator's generated admin
+    """Open a session with the coordinator listening at `path`, or with pool
+    `name`'s (at its default socket, where `kvshm serve --name NAME` listens
+    without `--socket`): give one of them.  `admin=True` reads the coordinator's generated admin
     token from beside its socket (or pass `admin_token`): the session may
     then reset the prefix cache, evict blocks and read the free queue.
     The coordinator refuses a client whose `hash_algorithm` and `hash_seed`
@@ -444,9 +447,12 @@ async def connect(path: str | os.PathLike, *, tenant: str = "", node: int = -1,
     restores its requests and resends the calls that were not applied
     (kvshm/service/resume.py).
 
-    Raises ConnectionLost if nothing listens at `path`, HandshakeError
-    subclasses (VersionMismatch, HashMismatch, Forbidden) if the coordinator
-    refuses, RequestTimeout if it does not answer."""
+    Raises TypeError if given both or neither of `path` and `name`,
+    InvalidArgument for a `name` that cannot name a pool, ConnectionLost if
+    nothing listens at the socket, HandshakeError subclasses
+    (VersionMismatch, HashMismatch, Forbidden) if the coordinator refuses,
+    RequestTimeout if it does not answer."""
+    path = socket_path(path, name)
     hello = make_hello(path, tenant=tenant, node=node, token=token, admin=admin,
                        admin_token=admin_token, hash_algorithm=hash_algorithm,
                        hash_seed=hash_seed)

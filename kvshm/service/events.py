@@ -261,7 +261,8 @@ class EventSubscriber:
     replay endpoint it first fetches the buffered batches from `from_seq`,
     and fills any later gap from it, so nothing is missed while the
     publisher's buffer holds it; without one, a gap is reported by
-    `on_gap(first_missing, next_seen)` and skipped."""
+    `on_gap(first_missing, next_seen)` and skipped.  An endpoint ZMQ
+    refuses is a ConfigError naming it."""
 
     def __init__(self, endpoint: str, *, replay_endpoint: str | None = None,
                  topic: str = "", from_seq: int | None = None, on_gap=None) -> None:
@@ -270,7 +271,11 @@ class EventSubscriber:
         self._sub = self._ctx.socket(zmq.SUB)
         self._sub.setsockopt(zmq.LINGER, 0)
         self._sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
-        self._sub.connect(connectable(endpoint))
+        try:
+            self._sub.connect(connectable(endpoint))
+        except zmq.ZMQError as e:
+            self._sub.close()
+            raise ConfigError("endpoint", f"cannot connect to {endpoint}: {e}") from None
         self._replay_endpoint = connectable(replay_endpoint) if replay_endpoint else None
         self._from = from_seq
         self._on_gap = on_gap
@@ -278,12 +283,17 @@ class EventSubscriber:
 
     def replay(self, start: int, timeout: float = 5.0) -> list[tuple[int, list]]:
         """The buffered batches from seq `start` (asked of the replay socket).
-        Raises TimeoutError if it does not answer."""
+        Raises TimeoutError if it does not answer, ConfigError if ZMQ refuses
+        the endpoint."""
         zmq = self._zmq
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         try:
-            sock.connect(self._replay_endpoint)
+            try:
+                sock.connect(self._replay_endpoint)
+            except zmq.ZMQError as e:
+                raise ConfigError("replay_endpoint", f"cannot connect to "
+                                  f"{self._replay_endpoint}: {e}") from None
             sock.send_multipart((b"", start.to_bytes(8, "big")))
             out = []
             while True:

@@ -2,8 +2,9 @@
 blocking) and the coordinator (server.py).
 
 - `default_socket_path(name)`: where pool `name`'s coordinator listens by
-  default; `admin_token_path` / `read_admin_token`: the admin token it
-  writes beside its socket.
+  default (`kvshm serve --name NAME` without `--socket`); `socket_path(path,
+  name)`: the socket a client's `connect()` means; `admin_token_path` /
+  `read_admin_token`: the admin token it writes beside its socket.
 - `make_hello(...)`: the Hello a client sends (`connect()`'s arguments);
   `check_welcome(reply)`: the coordinator's answer, or its refusal raised.
 - `SessionInfo`: what a session knows of its pool from the Welcome (its
@@ -16,13 +17,14 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from kvshm.core.errors import SegmentError
+from kvshm.core.errors import InvalidArgument, SegmentError
 from kvshm.core.hashing import (
     DEFAULT_HASH_ALGORITHM,
     DEFAULT_HASH_SEED,
     BlockHasher,
     hash_fingerprint,
 )
+from kvshm.core.shm import valid_name
 from kvshm.core.specs import PoolConfig
 from kvshm.service import protocol as p
 from kvshm.service.errors import Forbidden, ProtocolError, raise_reply
@@ -33,6 +35,26 @@ def default_socket_path(name: str) -> Path:
     base = os.environ.get("XDG_RUNTIME_DIR")
     root = Path(base) / "kvshm" if base else Path(f"/tmp/kvshm-{os.getuid()}")
     return root / f"{name}.sock"
+
+
+def socket_path(path: str | os.PathLike | None, name: str | None) -> str | os.PathLike:
+    """The socket a client connects to: `path` as given, or the default
+    socket of pool `name` (where `kvshm serve --name NAME` listens unless
+    given `--socket`).
+
+    Raises:
+        TypeError: both or neither of `path` and `name` are given.
+        InvalidArgument: `name` is not a pool name.
+    """
+    if (path is None) == (name is None):
+        raise TypeError("connect() takes a socket path or a pool name (name=...), "
+                        f"not {'both' if name is not None else 'neither'}")
+    if name is None:
+        return path
+    if not isinstance(name, str) or not valid_name(name):
+        raise InvalidArgument(f"bad pool name {name!r}: expected 1-200 letters, digits, "
+                              "'.', '_' or '-' (as `kvshm serve --name` takes it)")
+    return default_socket_path(name)
 
 
 def admin_token_path(socket_path: str | Path) -> Path:

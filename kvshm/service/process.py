@@ -64,15 +64,19 @@ class CoordinatorProcess:
     that stops it (SIGTERM) and waits for it.  `new_session` keeps it out of
     the terminal's process group, so Ctrl-C reaches only the parent, which
     decides the order of shutdown; `with_parent` stops it (SIGTERM: a clean
-    shutdown that unlinks its segments) if the parent dies."""
+    shutdown that unlinks its segments) if the parent dies.  With
+    `default_socket` it listens where `kvshm serve --name NAME` does without
+    `--socket` (as this process's environment says)."""
 
     def __init__(self, config, *, name: str | None = None, extra_args: tuple = (),
                  new_session: bool = False, with_parent: bool = False,
-                 env: dict | None = None) -> None:
+                 env: dict | None = None, default_socket: bool = False) -> None:
+        from kvshm.service.handshake import default_socket_path
         self._dir = tempfile.TemporaryDirectory(prefix="kvshm-")
         d = Path(self._dir.name)
         self.name = name or f"kvshm-{secrets.token_hex(5)}"
-        self.socket = d / "pool.sock"
+        self.socket = default_socket_path(self.name) if default_socket else d / "pool.sock"
+        socket_args = () if default_socket else ("--socket", str(self.socket))
         cfg_path = d / "config.json"
         cfg_path.write_bytes(config.to_json())
         # stderr goes to a file: a pipe nobody reads would block a coordinator
@@ -80,7 +84,7 @@ class CoordinatorProcess:
         self.stderr_path = d / "stderr.log"
         self._stderr = open(self.stderr_path, "w+")
         self._argv = [sys.executable, "-m", "kvshm", "serve", "--config", str(cfg_path),
-                      "--name", self.name, "--socket", str(self.socket), "--quiet",
+                      "--name", self.name, *socket_args, "--quiet",
                       *extra_args]
         self._popen = dict(stdout=subprocess.PIPE, stderr=self._stderr, text=True,
                            start_new_session=new_session,

@@ -42,7 +42,7 @@ from kvshm.service.errors import (
     raise_reply,
 )
 from kvshm.service.framing import REPLY_LIMIT_BYTES, FrameReader, encode_frame
-from kvshm.service.handshake import SessionInfo, check_welcome, make_hello
+from kvshm.service.handshake import SessionInfo, check_welcome, make_hello, socket_path
 from kvshm.service.resume import Reconnect, RequestMirror
 
 _RECV_BYTES = 1 << 16
@@ -363,13 +363,16 @@ class SyncClient(SessionInfo):
         return decode_events(self.call(p.TakeEvents(), timeout).payload)
 
 
-def connect_sync(path: str | os.PathLike, *, tenant: str = "", node: int = -1,
+def connect_sync(path: str | os.PathLike | None = None, *, name: str | None = None,
+                 tenant: str = "", node: int = -1,
                  token: str | None = None, admin: bool = False,
                  admin_token: str | None = None,
                  hash_algorithm: str | None = DEFAULT_HASH_ALGORITHM,
                  hash_seed: str = DEFAULT_HASH_SEED, timeout: float = 10.0,
                  reconnect: Reconnect | None = None, resume: bool = True) -> SyncClient:
-    """Open a session (blocking); the arguments and errors of `connect()`."""
+    """Open a session (blocking) with the coordinator at `path` or pool
+    `name`'s; the arguments and errors of `connect()`."""
+    path = socket_path(path, name)
     hello = make_hello(path, tenant=tenant, node=node, token=token, admin=admin,
                        admin_token=admin_token, hash_algorithm=hash_algorithm,
                        hash_seed=hash_seed)
