@@ -138,7 +138,7 @@ def segment_name(arg: str) -> str:
     return name
 
 
-def _attach_pool(name: str):
+def attach_pool(name: str):
     """PoolSegment.attach(name), with an OS refusal (a directory, an empty or
     unreadable file in SHM_DIR) raised as SegmentError too."""
     from kvshm.core.errors import SegmentError
@@ -157,7 +157,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     from kvshm.core.check import check_segment
 
     name = segment_name(args.name)
-    with _attach_pool(name) as seg:
+    with attach_pool(name) as seg:
         report = check_segment(seg)
     if args.json:
         print(json.dumps({"name": name, "clean": report.clean,
@@ -333,7 +333,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
     from kvshm.core.stats import read_stats
 
     name = segment_name(args.name)
-    with _attach_pool(name) as seg:
+    with attach_pool(name) as seg:
         st = read_stats(seg)
     if args.json:
         print(json.dumps(st, indent=2))
@@ -350,12 +350,13 @@ def cmd_stats(args: argparse.Namespace) -> int:
     else:
         state = f"(dead: not running; remove the stale pool with `kvshm rm {name}`)"
     print(f"  coordinator pid {st['coordinator_pid']} {state}, generation {st['generation']}")
-    print(f"  preemptions {st['preemptions']}; KV events: {st['events_published']} batches "
-          f"published, {st['events_dropped']} dropped")
+    print(f"  preemptions {n['preemptions']}; KV events: {n['events_published']} batches "
+          f"published, {n['events_dropped']} dropped")
     for tenant, t in sorted(st["tenants"].items()):
-        quota = "unlimited" if t["quota"] < 0 else f"quota {t['quota']}"
-        print(f"  tenant {tenant or '(default)'}: {t['blocks']} blocks ({quota}, "
-              f"{t['quota_refusals']} refused); {t['hit_tokens']} of {t['query_tokens']} "
+        c = {k: fmt.count(v) for k, v in t.items()}
+        quota = "unlimited" if t["quota"] < 0 else f"quota {c['quota']}"
+        print(f"  tenant {tenant or '(default)'}: {c['blocks']} blocks ({quota}, "
+              f"{c['quota_refusals']} refused); {c['hit_tokens']} of {c['query_tokens']} "
               f"tokens hit")
     for sess in st["sessions"]:
         print(f"  session {sess['session']}: {fmt.count(sess['requests'])} requests, "
@@ -475,6 +476,11 @@ def build_parser() -> argparse.ArgumentParser:
     from kvshm import exporter
     exporter.add_arguments(p)
     p.set_defaults(fn=exporter.main)
+
+    p = sub.add_parser("top", help="a live view of a pool, read from its segment")
+    from kvshm import top
+    top.add_arguments(p)
+    p.set_defaults(fn=top.main)
 
     p = sub.add_parser("stats", help="pool statistics, read from the segment directly")
     p.add_argument("name", nargs="?", default="kvshm", help="pool name (default kvshm)")
