@@ -10,7 +10,7 @@ Names: vLLM's where the meaning is vLLM's (`vllm:kv_cache_usage_perc`,
 `vllm:prefix_cache_queries` and `vllm:prefix_cache_hits` in tokens,
 `vllm:num_preemptions`, labelled `model_name` = the pool name, so vLLM
 dashboards read a pool as one engine), `kvshm_*` (labelled `pool`) for the
-rest.  docs/metrics.md lists them all.
+rest.  docs/operations.md lists them all.
 """
 
 from __future__ import annotations
