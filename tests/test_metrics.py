@@ -91,7 +91,11 @@ def test_the_layout_names_every_op_and_code():
                    "POOL_IN_USE"}
     assert set(ERROR_CLASSES) - client_side <= set(m.ERROR_CODES)
     assert m.quantile([0] * (len(m.LATENCY_BOUNDS_NS) + 1), 0.5) is None
-    assert m.quantile([0, 3, 1] + [0] * (len(m.LATENCY_BOUNDS_NS) - 2), 0.5) == 5e-6
+    assert m.quantile([0, 3, 1] + [0] * (len(m.LATENCY_BOUNDS_NS) - 2), 0.5) == 2.048e-6
+    bounds = (0, *m.LATENCY_BOUNDS_NS)
+    for ns in (0, 1, 1023, 1024, 1025, 5000, 2**25 - 1, 2**25, 2**26, 10**12):
+        i = m.latency_bucket(ns)      # the first bucket whose bound exceeds ns
+        assert bounds[i] <= ns and (i == m.LAST_BUCKET or ns < m.LATENCY_BOUNDS_NS[i])
 
 
 def test_scraped_metrics_are_all_there_and_agree_with_kvshm_stats(pool_name):

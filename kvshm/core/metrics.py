@@ -11,9 +11,10 @@ Region `metrics` of the segment, int64 words:
 
     GLOBALS                       one word each (names below)
     errors[len(ERROR_CODES)]      replies by error code (last: any other code)
-    ops[len(OP_NAMES)]            per op: count, errors, total ns, then one
-                                  count per latency bucket (LATENCY_BOUNDS_NS,
-                                  and one past the last bound)
+    ops[len(OP_NAMES)]            per op: errors, total ns of the ops that
+                                  succeeded, then their count per latency
+                                  bucket (LATENCY_BOUNDS_NS, and one past the
+                                  last bound); calls = buckets + errors
     tenants[TENANT_SLOTS]         per tenant: TENANT_FIELDS, then its name
                                   (TENANT_NAME_BYTES, utf-8, zero padded)
 
@@ -24,8 +25,6 @@ it may see one frame's counters half updated, which rates tolerate.
 """
 
 from __future__ import annotations
-
-from bisect import bisect_left
 
 # Counters and gauges of the whole pool.
 GLOBALS = ("frames", "sessions_open", "sessions_total", "sessions_resumed",
@@ -42,11 +41,14 @@ ERROR_CODES = ("BAD_CONFIG", "BAD_ARGUMENT", "BAD_MM_INPUT", "UNKNOWN_REQUEST",
                "FRAME_TOO_LARGE", "BATCH_TOO_LARGE", "HANDSHAKE_REQUIRED", "HANDSHAKE_FAILED",
                "VERSION_MISMATCH", "HASH_MISMATCH", "FORBIDDEN", "RESUME_FAILED", "NOT_OWNER",
                "INTERNAL", "other")
-# Upper bounds of the latency buckets (one op's execution in the
-# coordinator, socket excluded).
-LATENCY_BOUNDS_NS = tuple(int(us * 1000) for us in (
-    2, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 50000))
-OP_WORDS = 3 + len(LATENCY_BOUNDS_NS) + 1
+# Latency buckets of one op's execution in the coordinator (socket
+# excluded): powers of two, so that the hot path finds an op's bucket with
+# int.bit_length: 1.024 us, 2.048 us, ... 33.6 ms, and one past the last.
+FIRST_BOUND_BITS = 10
+LATENCY_BOUNDS_NS = tuple(1 << b for b in range(FIRST_BOUND_BITS, FIRST_BOUND_BITS + 16))
+LAST_BUCKET = len(LATENCY_BOUNDS_NS)
+OP_ERRORS, OP_NS, OP_BUCKETS = 0, 1, 2     # words of an op's counters
+OP_WORDS = OP_BUCKETS + LAST_BUCKET + 1
 TENANT_SLOTS = 64
 TENANT_NAME_BYTES = 64
 # blocks: held now (gauge); quota: blocks it may hold (-1: unlimited);
@@ -60,7 +62,7 @@ ERRORS_BASE = len(GLOBALS)
 OPS_BASE = ERRORS_BASE + len(ERROR_CODES)
 TENANTS_BASE = OPS_BASE + len(OP_NAMES) * OP_WORDS
 METRICS_WORDS = TENANTS_BASE + TENANT_SLOTS * TENANT_WORDS
-_T = {name: i for i, name in enumerate(TENANT_FIELDS)}
+_T = TENANT_OFFSETS = {name: i for i, name in enumerate(TENANT_FIELDS)}
 _ERR = {code: i for i, code in enumerate(ERROR_CODES)}
 _NAME_AT = len(TENANT_FIELDS)
 
@@ -71,23 +73,33 @@ def global_word(name: str) -> int:
 
 
 def op_base(name: str) -> int:
-    """The first word (count) of op `name`'s counters."""
+    """The first word of op `name`'s counters (OP_ERRORS, OP_NS, OP_BUCKETS)."""
     return OPS_BASE + OP_NAMES.index(name) * OP_WORDS
+
+
+def latency_bucket(ns: int) -> int:
+    """The bucket of a latency of `ns` nanoseconds (ns < its bound)."""
+    b = ns.bit_length() - FIRST_BOUND_BITS
+    return 0 if b < 0 else b if b < LAST_BUCKET else LAST_BUCKET
 
 
 def tenant_word(slot: int, field: str) -> int:
     return TENANTS_BASE + slot * TENANT_WORDS + _T[field]
 
 
+def tenant_base(slot: int) -> int:
+    """The first word of tenant slot `slot` (its fields at TENANT_OFFSETS)."""
+    return TENANTS_BASE + slot * TENANT_WORDS
+
+
 class MetricsWriter:
     """The coordinator's side: stores into the region `words` (the
     segment's `metrics` view)."""
 
-    __slots__ = ("words", "_bounds")
+    __slots__ = ("words",)
 
     def __init__(self, words) -> None:
         self.words = words
-        self._bounds = LATENCY_BOUNDS_NS
 
     def add(self, name: str, n: int = 1) -> None:
         self.words[_G[name]] += n
@@ -96,19 +108,17 @@ class MetricsWriter:
         self.words[_G[name]] = value
 
     def op(self, base: int, ns: int) -> None:
-        """One op done in `ns` nanoseconds (`base` from `op_base`)."""
+        """One op done in `ns` nanoseconds (`base` from `op_base`; the
+        coordinator's hot path does the same inline)."""
         w = self.words
-        w[base] += 1
-        w[base + 2] += ns
-        w[base + 3 + bisect_left(self._bounds, ns)] += 1
+        w[base + OP_NS] += ns
+        w[base + OP_BUCKETS + latency_bucket(ns)] += 1
 
     def error(self, base: int | None, code: str) -> None:
-        """An op (`base`, or None for a frame that is no op) failed with `code`
-        (it counts among the op's calls and among its errors)."""
+        """An op (`base`, or None for a frame that is no op) failed with `code`."""
         w = self.words
         if base is not None:
-            w[base] += 1
-            w[base + 1] += 1
+            w[base + OP_ERRORS] += 1
         w[ERRORS_BASE + _ERR.get(code, len(ERROR_CODES) - 1)] += 1
 
     # -- tenants -------------------------------------------------------------
@@ -160,8 +170,9 @@ def read_metrics(words) -> dict:
     ops = {}
     for i, name in enumerate(OP_NAMES):
         b = OPS_BASE + i * OP_WORDS
-        ops[name] = {"count": w[b], "errors": w[b + 1], "seconds": w[b + 2] / 1e9,
-                     "buckets": w[b + 3:b + OP_WORDS]}
+        buckets = w[b + OP_BUCKETS:b + OP_WORDS]
+        ops[name] = {"count": sum(buckets) + w[b + OP_ERRORS], "errors": w[b + OP_ERRORS],
+                     "seconds": w[b + OP_NS] / 1e9, "buckets": buckets}
     out["ops"] = ops
     tenants = {}
     for slot in range(TENANT_SLOTS):

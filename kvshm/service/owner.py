@@ -3,6 +3,7 @@ executor keeps of each request (`ReqState`)."""
 
 from __future__ import annotations
 
+from kvshm.core.metrics import tenant_base
 from kvshm.core.request import Request
 from kvshm.service.tenants import TenantBook
 
@@ -16,7 +17,7 @@ class Owner:
     hold (the free queue)."""
 
     __slots__ = ("id", "tenant", "hasher", "admin", "requests", "record", "seq",
-                 "resume_token", "events", "events_dropped", "slot", "scope")
+                 "resume_token", "events", "events_dropped", "slot", "mbase", "scope")
 
     def __init__(self, id: int, tenant: str, hasher, admin: bool = False,
                  slot: int = 0) -> None:
@@ -25,6 +26,7 @@ class Owner:
         self.hasher = hasher
         self.admin = admin
         self.slot = slot                              # its tenant's (tenants.py)
+        self.mbase = tenant_base(slot)                # that slot's metrics words
         self.scope = TenantBook.scope(tenant, slot)   # its request ids' prefix
         self.requests: set[str] = set()
         self.record: int | None = None   # its session record's slot (resumable)

@@ -26,6 +26,7 @@ from __future__ import annotations
 from kvshm.core.errors import ConfigError, InvalidArgument
 from kvshm.core.metrics import (
     TENANT_NAME_BYTES,
+    TENANT_OFFSETS,
     TENANT_SLOTS,
     MetricsWriter,
     tenant_name,
@@ -34,6 +35,8 @@ from kvshm.core.metrics import (
 from kvshm.service.sessions import tenant_digest
 
 SCOPE_MARK = "\x1f"
+_BLOCKS, _QUERIES, _HITS, _QUERY_TOKENS, _HIT_TOKENS = (
+    TENANT_OFFSETS[f] for f in ("blocks", "queries", "hits", "query_tokens", "hit_tokens"))
 
 
 def parse_quota(spec: str, usable_blocks: int) -> tuple[str, int]:
@@ -73,10 +76,11 @@ class TenantBook:
 
     def __init__(self, mgr, metrics: MetricsWriter, quotas: dict[str, int] | None = None) -> None:
         self.mgr = mgr
+        self._pool = mgr.block_pool
         self.metrics = metrics
+        self._words = metrics.words
         self.quotas = dict(quotas or {})
         self._slots: dict[str, int] = {}
-        self._start = (0, 0, 0, 0, 0)
         for name in self.quotas:          # quotas show before their tenant connects
             self.slot(name)
 
@@ -101,33 +105,40 @@ class TenantBook:
         return f"{slot}{SCOPE_MARK}" if tenant else ""
 
     # -- frames -----------------------------------------------------------------------
-    def begin(self, tenant: str, slot: int) -> None:
-        """Before a frame of a session of `tenant`: note the pool's counters
-        and set the floor its quota puts under the free blocks."""
-        mgr = self.mgr
-        seg = mgr.segment
-        free = mgr.block_pool.num_free_blocks
-        self._start = (free, seg.get("queries"), seg.get("hits"), seg.get("query_tokens"),
-                       seg.get("hit_tokens"))
-        quota = self.quotas.get(tenant)
-        if quota is not None:
-            held = self.metrics.words[tenant_word(slot, "blocks")]
-            mgr.free_floor = max(0, free - (quota - held))
-        else:
-            mgr.free_floor = 0
+    # The hot path: two calls a frame, plain attribute and word arithmetic.
+    def begin(self, tenant: str, base: int) -> tuple:
+        """Before a frame of a session of `tenant` (`base`: its slot's
+        `tenant_base`): the pool's counters now, for `end`; sets the floor
+        its quota puts under the free blocks."""
+        pool = self._pool
+        free = pool.num_free_blocks
+        if self.quotas:
+            quota = self.quotas.get(tenant)
+            if quota is None:
+                self.mgr.free_floor = 0
+            else:
+                held = self._words[base + _BLOCKS]
+                self.mgr.free_floor = max(0, free - (quota - held))
+        q, h, qt, ht = pool.stats
+        return free, q, h, qt, ht
 
-    def end(self, slot: int) -> None:
-        """After the frame: what it changed goes to the tenant."""
-        mgr = self.mgr
-        seg = mgr.segment
-        free, q, h, qt, ht = self._start
-        m = self.metrics
-        m.tenant_add(slot, "blocks", free - mgr.block_pool.num_free_blocks)
-        m.tenant_add(slot, "queries", seg.get("queries") - q)
-        m.tenant_add(slot, "hits", seg.get("hits") - h)
-        m.tenant_add(slot, "query_tokens", seg.get("query_tokens") - qt)
-        m.tenant_add(slot, "hit_tokens", seg.get("hit_tokens") - ht)
-        mgr.free_floor = 0
+    def end(self, base: int, start: tuple) -> None:
+        """After the frame: what it changed (since `begin` gave `start`)
+        goes to the tenant."""
+        pool = self._pool
+        free, q, h, qt, ht = start
+        w = self._words
+        now = pool.num_free_blocks
+        if now != free:
+            w[base + _BLOCKS] += free - now
+        st = pool.stats
+        if st[0] != q:
+            w[base + _QUERIES] += st[0] - q
+            w[base + _HITS] += st[1] - h
+            w[base + _QUERY_TOKENS] += st[2] - qt
+            w[base + _HIT_TOKENS] += st[3] - ht
+        if self.quotas:
+            self.mgr.free_floor = 0
 
     def refused(self, slot: int) -> None:
         """An allocation of this tenant failed for its quota, not the pool
