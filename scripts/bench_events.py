@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import tempfile
 import time
@@ -28,15 +27,14 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from kvshm.core.specs import FullSpec, PoolConfig  # noqa: E402
 from kvshm.service.events import EventCollector  # noqa: E402
-from kvshm.workload import WorkloadSpec  # noqa: E402
 from service_load import (  # noqa: E402
     Workers,
-    record_workload,
-    reset_pool,
+    ab_rounds,
+    ab_rows,
+    ab_workload,
+    add_ab_arguments,
     start_coordinator,
-    summarize_run,
 )
 
 TARGET = 0.9
@@ -44,50 +42,24 @@ TARGET = 0.9
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--num-blocks", type=int, default=65536)
-    ap.add_argument("--requests", type=int, default=200, help="workload requests per client")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--clients", type=int, nargs="+", default=[1, 2])
-    ap.add_argument("--batches", type=int, nargs="+", default=[1, 64])
-    ap.add_argument("--rounds", type=int, default=3)
+    add_ab_arguments(ap)
     ap.add_argument("--no-subscriber", action="store_true",
                     help="publish to nobody (the events are recorded, encoded and handed "
                     "to ZMQ, which drops them): the coordinator's own cost without a "
                     "subscriber's CPU on this host")
     ap.add_argument("--json", default=str(REPO / "bench-results" / "events.json"))
     args = ap.parse_args()
-    config = PoolConfig(num_blocks=args.num_blocks, hash_block_size=16, max_model_len=4096,
-                        groups=(FullSpec(16),), max_num_seqs=1024)
-    recs = [record_workload(config, WorkloadSpec(num_requests=args.requests,
-                                                 seed=args.seed + k))
-            for k in range(max(args.clients))]
-    print(f"workload: {args.requests} requests/client, {recs[0].num_ops:,} ops a client",
-          flush=True)
+    config, recs = ab_workload(args)
     d = tempfile.mkdtemp(prefix="kvshm-bench-events-")
     kv = {"enable_kv_cache_events": True, "endpoint": f"ipc://{d}/pub"}
     coords = {}
     workers = drain = None
-    configs = [(n, b) for n in sorted(set(args.clients)) for b in args.batches]
-    runs: dict = {(mode, n, b): [] for mode in ("off", "on") for n, b in configs}
     try:
         coords["off"] = start_coordinator(config)
         coords["on"] = start_coordinator(config, ("--kv-events-config", json.dumps(kv)))
         drain = None if args.no_subscriber else EventCollector(kv["endpoint"], keep=False)
         workers = Workers(recs, config)
-        for rnd in range(args.rounds):
-            order = ("off", "on") if rnd % 2 == 0 else ("on", "off")
-            for n, b in configs:
-                for mode in order:
-                    coord = coords[mode]
-                    reset_pool(coord.socket)
-                    row = summarize_run(n, b, workers.run(n, coord.socket, b,
-                                                          f"{mode}{rnd}"), 0.0)
-                    if row["errors"] or row["hit_mismatches"]:
-                        raise RuntimeError(f"{mode}: {row['errors']} errors, "
-                                           f"{row['hit_mismatches']} hit mismatches")
-                    runs[(mode, n, b)].append(row["ops_per_s"])
-                    print(f"  round {rnd + 1}/{args.rounds}: events {mode:3s} {n} client(s), "
-                          f"batch {b:>2}: {row['ops_per_s']:>9,.0f} ops/s", flush=True)
+        runs = ab_rounds(args, workers, {m: c.socket for m, c in coords.items()}, "events")
         time.sleep(0.5)                      # the last batches reach the drain
     finally:
         if workers is not None:
@@ -96,13 +68,7 @@ def main() -> int:
             drain.stop()
         for coord in coords.values():
             coord.stop()
-    rows = []
-    for n, b in configs:
-        on, off = runs[("on", n, b)], runs[("off", n, b)]
-        ratio = statistics.median(a / c for a, c in zip(on, off))
-        rows.append({"clients": n, "batch": b, "ops_per_s_off": statistics.median(off),
-                     "ops_per_s_on": statistics.median(on), "ratio": ratio,
-                     "rounds_off": off, "rounds_on": on})
+    rows = ab_rows(runs)
     got = (f"the events subscriber got {drain.num_batches:,} batches, "
            f"{drain.num_events:,} events" if drain is not None else "no subscriber")
     print(f"\nKV events on vs off (median of {args.rounds} rounds; {got})")

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import socket
-import statistics
 import subprocess
 import sys
 import threading
@@ -30,14 +29,13 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from kvshm.core.specs import FullSpec, PoolConfig  # noqa: E402
-from kvshm.workload import WorkloadSpec  # noqa: E402
 from service_load import (  # noqa: E402
     Workers,
-    record_workload,
-    reset_pool,
+    ab_rounds,
+    ab_rows,
+    ab_workload,
+    add_ab_arguments,
     start_coordinator,
-    summarize_run,
 )
 
 
@@ -71,29 +69,16 @@ class Scraper:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--num-blocks", type=int, default=65536)
-    ap.add_argument("--requests", type=int, default=200, help="workload requests per client")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--clients", type=int, nargs="+", default=[1, 2])
-    ap.add_argument("--batches", type=int, nargs="+", default=[1, 64])
-    ap.add_argument("--rounds", type=int, default=3)
+    add_ab_arguments(ap)
     ap.add_argument("--scrape-interval", type=float, default=1.0)
     ap.add_argument("--json", default=str(REPO / "bench-results" / "metrics.json"))
     args = ap.parse_args()
-    config = PoolConfig(num_blocks=args.num_blocks, hash_block_size=16, max_model_len=4096,
-                        groups=(FullSpec(16),), max_num_seqs=1024)
-    recs = [record_workload(config, WorkloadSpec(num_requests=args.requests,
-                                                 seed=args.seed + k))
-            for k in range(max(args.clients))]
-    print(f"workload: {args.requests} requests/client, {recs[0].num_ops:,} ops a client",
-          flush=True)
+    config, recs = ab_workload(args)
     probe = socket.socket()
     probe.bind(("127.0.0.1", 0))
     port = probe.getsockname()[1]
     probe.close()
     coord = exporter = scraper = workers = None
-    configs = [(n, b) for n in sorted(set(args.clients)) for b in args.batches]
-    runs: dict = {(mode, n, b): [] for mode in ("off", "on") for n, b in configs}
     try:
         coord = start_coordinator(config)
         exporter = subprocess.Popen([sys.executable, "-m", "kvshm", "metrics", coord.name,
@@ -102,21 +87,10 @@ def main() -> int:
         exporter.stdout.readline()               # listening
         scraper = Scraper(f"http://127.0.0.1:{port}/metrics", args.scrape_interval)
         workers = Workers(recs, config)
-        for rnd in range(args.rounds):
-            order = ("off", "on") if rnd % 2 == 0 else ("on", "off")
-            for n, b in configs:
-                for mode in order:
-                    reset_pool(coord.socket)
-                    (scraper.on.set if mode == "on" else scraper.on.clear)()
-                    row = summarize_run(n, b, workers.run(n, coord.socket, b,
-                                                          f"{mode}{rnd}"), 0.0)
-                    scraper.on.clear()
-                    if row["errors"] or row["hit_mismatches"]:
-                        raise RuntimeError(f"{mode}: {row['errors']} errors, "
-                                           f"{row['hit_mismatches']} hit mismatches")
-                    runs[(mode, n, b)].append(row["ops_per_s"])
-                    print(f"  round {rnd + 1}/{args.rounds}: scraped {mode:3s} {n} client(s), "
-                          f"batch {b:>2}: {row['ops_per_s']:>9,.0f} ops/s", flush=True)
+        # One coordinator: "on" runs are scraped, "off" runs are not.
+        runs = ab_rounds(args, workers, {"off": coord.socket, "on": coord.socket}, "scraped",
+                         lambda mode: (scraper.on.set if mode == "on" else scraper.on.clear)())
+        scraper.on.clear()
     finally:
         if scraper is not None:
             scraper.stop()
@@ -128,13 +102,7 @@ def main() -> int:
             exporter.stdout.close()
         if coord is not None:
             coord.stop()
-    rows = []
-    for n, b in configs:
-        on, off = runs[("on", n, b)], runs[("off", n, b)]
-        rows.append({"clients": n, "batch": b, "ops_per_s_off": statistics.median(off),
-                     "ops_per_s_on": statistics.median(on),
-                     "ratio": statistics.median(a / c for a, c in zip(on, off)),
-                     "rounds_off": off, "rounds_on": on})
+    rows = ab_rows(runs)
     per_scrape = scraper.seconds / scraper.scrapes if scraper.scrapes else 0.0
     print(f"\nexporter scraping every {args.scrape_interval:g}s vs not (median of "
           f"{args.rounds} rounds; {scraper.scrapes} scrapes, {per_scrape * 1e3:.1f} ms each)")

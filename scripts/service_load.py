@@ -428,3 +428,68 @@ def reset_pool(path) -> None:
             raise RuntimeError(f"{st.num_requests} requests left in the pool after a run")
         if not c.reset_prefix_cache():
             raise RuntimeError("reset_prefix_cache refused")
+
+
+# -- A/B benchmarks (bench_events.py, bench_metrics.py) -----------------------------
+def add_ab_arguments(ap) -> None:
+    """The workload and round flags of an A/B benchmark."""
+    ap.add_argument("--num-blocks", type=int, default=65536)
+    ap.add_argument("--requests", type=int, default=200, help="workload requests per client")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--clients", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 64])
+    ap.add_argument("--rounds", type=int, default=3)
+
+
+def ab_workload(args) -> tuple[PoolConfig, list[Recording]]:
+    """The pool config and each client's recorded workload of an A/B run."""
+    from kvshm.core.specs import FullSpec
+    from kvshm.workload import WorkloadSpec
+    config = PoolConfig(num_blocks=args.num_blocks, hash_block_size=16, max_model_len=4096,
+                        groups=(FullSpec(16),), max_num_seqs=1024)
+    recs = [record_workload(config, WorkloadSpec(num_requests=args.requests,
+                                                 seed=args.seed + k))
+            for k in range(max(args.clients))]
+    print(f"workload: {args.requests} requests/client, {recs[0].num_ops:,} ops a client",
+          flush=True)
+    return config, recs
+
+
+def ab_rounds(args, workers: "Workers", sockets: dict, what: str, before=None) -> dict:
+    """Replay the workload against `sockets` (mode -> coordinator socket;
+    two modes, "off" and "on"), per round and (clients, batch), the order of
+    the modes alternating per round; `before(mode)` runs before each run.
+    Returns {(mode, clients, batch): [ops/s per round]}."""
+    configs = [(n, b) for n in sorted(set(args.clients)) for b in args.batches]
+    runs: dict = {(mode, n, b): [] for mode in ("off", "on") for n, b in configs}
+    for rnd in range(args.rounds):
+        order = ("off", "on") if rnd % 2 == 0 else ("on", "off")
+        for n, b in configs:
+            for mode in order:
+                reset_pool(sockets[mode])
+                if before is not None:
+                    before(mode)
+                row = summarize_run(n, b, workers.run(n, sockets[mode], b, f"{mode}{rnd}"),
+                                    0.0)
+                if row["errors"] or row["hit_mismatches"]:
+                    raise RuntimeError(f"{mode}: {row['errors']} errors, "
+                                       f"{row['hit_mismatches']} hit mismatches")
+                runs[(mode, n, b)].append(row["ops_per_s"])
+                print(f"  round {rnd + 1}/{args.rounds}: {what} {mode:3s} {n} client(s), "
+                      f"batch {b:>2}: {row['ops_per_s']:>9,.0f} ops/s", flush=True)
+    return runs
+
+
+def ab_rows(runs: dict) -> list[dict]:
+    """Per (clients, batch): the median ops/s of each mode and the median
+    per-round ratio on / off."""
+    rows = []
+    for (mode, n, b), off in runs.items():
+        if mode != "off":
+            continue
+        on = runs[("on", n, b)]
+        rows.append({"clients": n, "batch": b, "ops_per_s_off": statistics.median(off),
+                     "ops_per_s_on": statistics.median(on),
+                     "ratio": statistics.median(a / c for a, c in zip(on, off)),
+                     "rounds_off": off, "rounds_on": on})
+    return rows

@@ -53,6 +53,17 @@ def scrape(port: int) -> dict:
     return {f.name: f for f in parser.text_string_to_metric_families(text.decode())}
 
 
+def scrape_when_up(port: int, timeout: float = 10.0) -> dict:
+    """A scrape, once the exporter listens."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return scrape(port)
+        except OSError:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+
+
 def value(fams, name, **labels):
     """The sample of family `name` (its `_total` for counters) with `labels`."""
     for s in fams[name].samples:
@@ -151,26 +162,12 @@ def test_serve_metrics_port_and_restarts(pool_name, sockdir):
                             extra_args=("--metrics-port", str(port))) as proc:
         with client(proc) as c:
             workload(c, "r")
-            deadline = time.monotonic() + 10
-            while True:
-                try:
-                    fams = scrape(port)
-                    break
-                except OSError:
-                    assert time.monotonic() < deadline
-                    time.sleep(0.1)
+            fams = scrape_when_up(port)
             assert value(fams, "kvshm_coordinator_restarts", pool=pool_name) == 0
             proc.kill()
             proc.restart()
             c.add_request("after", tokens(0, 8))
-            deadline = time.monotonic() + 10
-            while True:   # the new coordinator's exporter
-                try:
-                    fams = scrape(port)
-                    break
-                except OSError:
-                    assert time.monotonic() < deadline
-                    time.sleep(0.1)
+            fams = scrape_when_up(port)       # the new coordinator's exporter
             assert value(fams, "kvshm_coordinator_restarts", pool=pool_name) == 1
             assert value(fams, "kvshm_sessions_resumed", pool=pool_name) == 1
             assert value(fams, "kvshm_ops", pool=pool_name, op="alloc") >= 4   # kept
