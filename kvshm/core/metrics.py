@@ -94,7 +94,9 @@ def tenant_base(slot: int) -> int:
 
 class MetricsWriter:
     """The coordinator's side: stores into the region `words` (the
-    segment's `metrics` view)."""
+    segment's `metrics` view).  An op's time is counted inline by the op
+    executor (OpExecutor._run: `words[base + OP_NS] += ns` and one count in
+    bucket `latency_bucket(ns)`), the hot path."""
 
     __slots__ = ("words",)
 
@@ -106,13 +108,6 @@ class MetricsWriter:
 
     def set(self, name: str, value: int) -> None:
         self.words[_G[name]] = value
-
-    def op(self, base: int, ns: int) -> None:
-        """One op done in `ns` nanoseconds (`base` from `op_base`; the
-        coordinator's hot path does the same inline)."""
-        w = self.words
-        w[base + OP_NS] += ns
-        w[base + OP_BUCKETS + latency_bucket(ns)] += 1
 
     def error(self, base: int | None, code: str) -> None:
         """An op (`base`, or None for a frame that is no op) failed with `code`."""

@@ -299,9 +299,9 @@ class OpExecutor:
     def _run(self, owner: Owner, ops, results: list) -> p.Error | None:
         """Run `ops` in order, each reply appended to `results`; at the first
         failure, its Error reply (the ops after it do not run).  Each op is
-        timed into its latency histogram (MetricsWriter.op, inline and with
-        one clock read an op: this is the hot path), and a tenant's request
-        ids get its scope."""
+        timed into its latency histogram (core/metrics.py's layout, with
+        `latency_bucket` inline and one clock read an op: this is the hot
+        path), and a tenant's request ids get its scope."""
         dispatch, bases, w, scope = self._dispatch, self._op_base, self._mwords, owner.scope
         op = None
         try:
