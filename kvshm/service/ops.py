@@ -226,15 +226,15 @@ class OpExecutor:
         mgr = self.mgr
         freed = 0
         book = self.tenants
-        slots = {tenant_digest(name): slot for name, slot in book.known().items()}
         mgr.begin_frame()
         for rec, rids in self.unresumed.values():
-            slot = slots.get(rec.tenant)
-            start = book.begin("", 0) if slot is not None else None
+            tenant = book.by_digest(rec.tenant)
+            base = None if tenant is None else tenant_base(tenant[1])
+            start = None if tenant is None else book.begin(tenant[0], base)
             for rid in rids:
                 mgr.free(rid)
             if start is not None:
-                book.end(tenant_base(slot), start)
+                book.end(base, start)
             freed += len(rids)
             self.sessions.release(rec.slot)
         mgr.commit_frame()

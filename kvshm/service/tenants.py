@@ -81,6 +81,7 @@ class TenantBook:
         self._words = metrics.words
         self.quotas = dict(quotas or {})
         self._slots: dict[str, int] = {}
+        self._by_digest: dict[bytes, tuple[str, int]] = {}   # session records name digests
         for name in self.quotas:          # quotas show before their tenant connects
             self.slot(name)
 
@@ -91,13 +92,17 @@ class TenantBook:
             slot = self.metrics.tenant_slot(tenant)
             if slot is None:
                 return None
-            self._slots[tenant] = slot
+            self._remember(tenant, slot)
             self.metrics.tenant_set(slot, "quota", self.quotas.get(tenant, -1))
         return slot
 
-    def known(self) -> dict[str, int]:
-        """Tenant name -> slot, of the tenants this coordinator has seen."""
-        return dict(self._slots)
+    def _remember(self, tenant: str, slot: int) -> None:
+        self._slots[tenant] = slot
+        self._by_digest[tenant_digest(tenant)] = (tenant, slot)
+
+    def by_digest(self, digest: bytes) -> tuple[str, int] | None:
+        """(name, slot) of the tenant a session record names by `digest`."""
+        return self._by_digest.get(digest)
 
     @staticmethod
     def scope(tenant: str, slot: int) -> str:
@@ -150,20 +155,18 @@ class TenantBook:
     def rebuild(self, held: dict[bytes, list[str]]) -> None:
         """After an adoption: every tenant's blocks, counted from the
         request table (`held`: tenant digest -> request ids)."""
-        by_digest = {}
         words = self.metrics.words
         for slot in range(TENANT_SLOTS):
             if words[tenant_word(slot, "used")]:
-                name = tenant_name(words, slot).decode()
-                self._slots.setdefault(name, slot)
-                by_digest[tenant_digest(name)] = slot
+                self._remember(tenant_name(words, slot).decode(), slot)
         managers = self.mgr.groups.managers
-        for slot in by_digest.values():
+        for slot in self._slots.values():
             self.metrics.tenant_set(slot, "blocks", 0)
         for digest, rids in held.items():
-            slot = by_digest.get(digest)
-            if slot is None:
+            found = self._by_digest.get(digest)
+            if found is None:
                 continue
+            slot = found[1]
             blocks = {b for m in managers for rid in rids for b in m.req_to_blocks.get(rid, ())
                       if b}
             self.metrics.tenant_set(slot, "blocks", len(blocks))
