@@ -14,9 +14,9 @@ every commit (its coordinator figures compare across commits only because of
 that).  The worker's scheduler is built around what a real engine has and
 this one must not: the model's compute on the arena (about 20x the time
 a `kvshm run` worker waits for the coordinator), one batch per step with
-`Admit` and caching delayed
-until the K/V are written, wall-clock deadlines, other workers sharing the
-pool, and coordinator restarts.  The policies are the same (FCFS, chunked
+`Admit`, blocks that become ready for other workers once their K/V are
+written, waits for prefixes other workers are computing, wall-clock
+deadlines, other workers sharing the pool, and coordinator restarts.  The policies are the same (FCFS, chunked
 prefill under a token budget, preempt the newest on a failed allocation);
 a change to one should be made to the other.
 

@@ -72,6 +72,7 @@ def test_a_served_pool_publishes_vllm_s_stream(path, sockdir):
 
 def test_a_live_subscriber_sees_each_frame_as_a_batch(sockdir):
     from helpers import make_config, tokens
+    from kvshm.service import protocol as p
     from kvshm.service.sync_client import connect_sync
     kv = endpoints(sockdir)
     config = make_config(num_blocks=16)
@@ -81,8 +82,8 @@ def test_a_live_subscriber_sees_each_frame_as_a_batch(sockdir):
         try:
             with connect_sync(pool.socket, hash_algorithm=None) as c:
                 c.add_request("a", tokens(0, 10))
-                c.allocate_slots("a", 10, 0, use_computed_blocks=True)   # caches 2 blocks
-                c.free("a")
+                c.batch([p.AllocateSlots("a", 10, 0, True),          # caches 2 blocks,
+                         p.Advance("a", 10), p.Free("a")])           # ready, then frees
                 c.add_request("b", tokens(0, 9))
                 hits, n = c.get_computed_blocks("b")
                 assert n == 8
@@ -105,6 +106,7 @@ def test_an_adopted_pool_restates_its_cache_first(sockdir):
         with connect_sync(pool.socket, hash_algorithm=None) as c:
             c.add_request("a", tokens(0, 10))
             c.allocate_slots("a", 10, 0, use_computed_blocks=True)
+            c.advance("a", 10)
             c.free("a")
         first = events_of(kv)
         pool.kill()
@@ -228,6 +230,7 @@ async def test_a_session_takes_the_events_of_its_own_frames(coordinator, monkeyp
         assert await a.take_events() == []                    # starts a's recording
         await a.add_request("a", tokens(0, 9))
         await a.allocate_slots("a", 9, 0, use_computed_blocks=True)
+        await a.advance("a", 9)
         await a.free("a")
         await b.add_request("b", tokens(100, 117))            # b's allocation evicts a's blocks
         await b.allocate_slots("b", 17, 0, use_computed_blocks=True)
@@ -235,6 +238,7 @@ async def test_a_session_takes_the_events_of_its_own_frames(coordinator, monkeyp
         assert isinstance(stored, BlockStored) and stored.token_ids == tokens(0, 8)
         assert await a.take_events() == []                     # b's frames are not a's
         assert await b.take_events() == []                     # b starts now: nothing before
+        await b.advance("b", 17)
         await b.free("b")
         await a.add_request("c", tokens(200, 221))
         await a.allocate_slots("c", 20, 0, use_computed_blocks=True)   # evicts b's blocks
@@ -242,6 +246,7 @@ async def test_a_session_takes_the_events_of_its_own_frames(coordinator, monkeyp
         assert any(isinstance(e, Removed) for e in got)
         assert any(isinstance(e, BlockStored) for e in got)
         monkeypatch.setattr(owner, "MAX_OWNER_EVENTS", 1)
+        await a.advance("c", 20)
         await a.free("c")
         await a.add_request("d", tokens(300, 321))
         await a.allocate_slots("d", 20, 0, use_computed_blocks=True)

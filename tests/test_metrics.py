@@ -93,6 +93,7 @@ def workload(c, prefix: str, n: int = 4):
         c.add_request(rid, tokens(0, 24) + [i] * 4)
         hits, num = c.get_computed_blocks(rid)
         c.allocate_slots(rid, 28 - num, num, use_computed_blocks=True)
+        c.advance(rid, 28)                 # computed: its blocks are ready
         c.free(rid, preempted=(i == 0))
 
 

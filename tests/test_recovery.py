@@ -57,6 +57,7 @@ async def test_sigkill_of_the_coordinator_is_a_pause(pool_name):
         prompt = tokens(0, 14)                      # 3 full blocks + 2 tokens
         await c.add_request("done", prompt)
         await c.allocate_slots("done", 14)
+        await c.advance("done", 14)                 # its K/V are written
         await c.free("done")                        # finished: its 3 full blocks stay cached
         await c.add_request("run", tokens(100, 110))
         await c.allocate_slots("run", 10)
@@ -85,7 +86,7 @@ async def test_a_session_that_does_not_come_back_is_freed_after_the_grace_period
         gone = await _client(proc, resume=False)
         await gone.add_request("lost", tokens(0, 9))
         await gone.allocate_slots("lost", 9)
-        await gone.cache_blocks("lost", 8)
+        await gone.advance("lost", 9)               # its 2 full blocks are ready
         proc.kill()
         proc.restart()
         with pytest.raises(ConnectionLost):
@@ -226,6 +227,7 @@ async def test_tenants_cannot_reset_or_evict_each_others_blocks(coordinator):
     prompt = tokens(0, 37)
     await a.add_request("a1", prompt)
     blocks = await a.allocate_slots("a1", 37)
+    await a.advance("a1", 37)
     await a.free("a1")
     free0 = coord.mgr.num_free_blocks
     with pytest.raises(Forbidden, match="admin"):

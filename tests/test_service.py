@@ -293,6 +293,7 @@ async def test_a_clean_close_frees_the_sessions_requests(coordinator):
     for i in range(5):
         await c.add_request(f"r{i}", tokens(100 * i, 100 * i + 12))
         await c.allocate_slots(f"r{i}", 12)
+        await c.advance(f"r{i}", 12)        # computed: its blocks are ready for all
     await c.add_request("never-allocated", tokens(0, 4))
     assert coord.mgr.num_free_blocks == 63 - 2 - 15
     await c.close()
@@ -324,6 +325,7 @@ async def test_tenants_never_share_cached_blocks(coordinator):
     async with await client(coord, tenant="A") as a1:
         await a1.add_request("a1", prompt)
         await a1.allocate_slots("a1", 17)  # caches its 4 full blocks
+        await a1.advance("a1", 17)         # ... whose K/V are written
         cached = coord.mgr.block_pool.num_cached_blocks
         assert cached == 4
         hashes = Request("x", prompt, a1.make_hasher()).block_hashes
@@ -476,6 +478,7 @@ async def test_kvshm_stats_reads_the_segment(coordinator):
         for i in range(3):
             await a.add_request(f"a{i}", tokens(10 * i, 10 * i + 8))
             await a.allocate_slots(f"a{i}", 8)                # 2 blocks each
+            await a.advance(f"a{i}", 8)
         await b.add_request("b0", tokens(500, 513))
         await b.get_computed_blocks("b0")
         await b.allocate_slots("b0", 13)                     # 4 blocks

@@ -40,6 +40,7 @@ async def populated(coordinator):
     holder = await connect(coord.socket_path)
     await holder.add_request("held", tokens(0, 14))
     await holder.allocate_slots("held", 14)
+    await holder.advance("held", 14)         # computed: its blocks are ready
     yield coord, holder
     await holder.close()
 

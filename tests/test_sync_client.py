@@ -48,6 +48,7 @@ def test_the_scheduler_operations(proc):
         assert (hits, n) == ([[]], 0)
         new = c.allocate_slots("a", 10)
         assert [len(g) for g in new] == [3]
+        c.advance("a", 10)                     # computed: its 2 full blocks are ready
         c.cache_blocks("a", 8)
         assert c.get_block_ids("a") == new
         assert c.get_num_common_prefix_blocks("a") == [3]
@@ -141,6 +142,7 @@ def test_rides_through_a_coordinator_restart(proc, pool_name):
         c.advance("run", 10, [7])
         c.add_request("done", tokens(50, 62))
         c.allocate_slots("done", 12)
+        c.advance("done", 12)
         c.free("done")                                # its 3 full blocks stay cached
         sid = c.session_id
         proc.kill()

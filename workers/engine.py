@@ -2,16 +2,23 @@
 numpy compute on the shared KV arena, checking every prefix-cache hit.
 
 Each step is one `Client.batch`, in this order: the bookkeeping of the last
-step (`Advance`, delayed `CacheBlocks`, `Free` of finished requests), then
-`AllocateSlots` for running requests (decode, or the next prefill chunk) in
-FCFS order, then `AddRequest` + `Admit` for waiting ones while the token
-budget, `max_running` and the pool's free blocks allow.  A running request
-whose allocation fails preempts the newest running ones (freed, requeued,
+step (`Advance`, `Free` of finished requests), then `AllocateSlots` for
+running requests (decode, or the next prefill chunk) in FCFS order, then
+`AddRequest` + `Admit` for waiting ones while the token budget,
+`max_running` and the pool's free blocks allow.  A running request whose
+allocation fails preempts the newest running ones (freed, requeued,
 recomputed later), as vLLM's scheduler does, in a follow-up batch.
 
-Blocks are cached only after their K/V are in the arena (allocations use
-`delay_cache_blocks`, and the next step's batch caches what was computed),
-so another worker can never hit a block whose bytes are not written yet.
+Full blocks are cached when they are allocated, as in vLLM, but pending:
+the `Advance` of the next batch says their K/V are in the arena, and only
+then can another worker hit them (block readiness, core/block_pool.py).
+This worker's own requests hit its pending blocks in the step that
+computes them, as vLLM's do: a request whose hits another request of the
+step writes is computed after it (`phase`).  When an admission's lookup
+stops at blocks another worker is writing (`Admitted.num_in_flight_tokens`
+>= `wait_in_flight`), the request waits for them instead of computing them
+again, until its `in_flight_deadline`; a writer that dies or is preempted
+uncaches them, so the wait ends at the next step.
 
 A conversation's next turn arrives only once its previous turn is over
 (workers/turns.py: the run's TurnBoard, across workers), as a user sends
@@ -80,6 +87,11 @@ class EngineOptions(msgspec.Struct, frozen=True, kw_only=True):
     # A load generator (scripts/numa_stress.py): the scheduler's ops and the
     # arena's writer stamps, no model compute (no K/V, attention or checks).
     load_only: bool = False
+    # Wait for a prefix other workers are computing when at least this many
+    # of its tokens are in flight (0: never wait), for at most
+    # `in_flight_deadline` seconds (then compute it).
+    wait_in_flight: int = 128
+    in_flight_deadline: float = 2.0
 
 
 class EngineStats(msgspec.Struct, kw_only=True):
@@ -116,6 +128,8 @@ class EngineStats(msgspec.Struct, kw_only=True):
     recomputed_tokens: int = 0        # computed tokens given up because of restarts
     stalls_ms: list[int] = []         # loss -> resumed, per restart
     ttft_ms: list[int] = []           # per request: arrival -> its first token
+    in_flight_waits: int = 0          # requests that waited for a prefix in flight
+    in_flight_timeouts: int = 0       # ... and computed it at their deadline instead
     ops: int = 0                      # operations sent to the coordinator (every batch's)
 
     @property
@@ -144,7 +158,7 @@ class Seq:
 
     __slots__ = ("rid", "item", "arrived", "tokens", "prompt_len", "generated", "num_computed",
                  "tables", "ctx", "scheduled", "added", "admitted_once", "to_advance",
-                 "append")
+                 "append", "wait_until", "phase", "num_hit")
 
     def __init__(self, item: Item) -> None:
         self.rid = item.rid
@@ -161,6 +175,9 @@ class Seq:
         self.admitted_once = False
         self.to_advance = False
         self.append: list[int] = []
+        self.wait_until = 0.0    # waiting for a prefix in flight until then (0: not waiting)
+        self.phase = 0           # computed after the requests of lower phases in its step
+        self.num_hit = -1        # hit tokens of an admission this step (-1: none)
 
 
 class Engine:
@@ -296,7 +313,7 @@ class Engine:
             seq.scheduled = n
             budget -= n
             allocs.append((seq, len(ops)))
-            ops.append(p.AllocateSlots(seq.rid, n, delay_cache_blocks=True))
+            ops.append(p.AllocateSlots(seq.rid, n))
         admits = self._admissions(ops, budget, [s for s, _ in allocs])
         t0 = time.perf_counter()
         results = await self._batch(ops)
@@ -307,17 +324,20 @@ class Engine:
         st.batch_us.append(int(rtt * 1e6))
         st.coord_s += rtt
         failed = []
+        writers: dict[int, Seq] = {}    # block -> the request of this step writing it
         for seq, i in allocs:
             res = results[i]
             self.num_free_blocks = res.num_free_blocks
+            seq.phase = 0
             if res.new_block_ids is None:
                 failed.append(seq)
             else:
                 self._extend(seq, res.new_block_ids)
+                self._writes(seq, writers)
         refused = []
         for seq, i in admits:
             self.num_free_blocks = results[i].num_free_blocks
-            if not self._admitted(seq, results[i]):
+            if not self._admitted(seq, results[i], writers):
                 refused.append(seq)
         self.waiting.extendleft(reversed(refused))   # FCFS: first in line next step
         if failed:
@@ -328,9 +348,9 @@ class Engine:
     def _bookkeeping(self) -> list:
         ops: list = []
         for seq in [s for s in self.running if s.to_advance] + self.finishing:
-            # The tokens computed last step are in the arena now: cache them.
+            # The tokens computed last step are in the arena now: their
+            # blocks become hits for every worker.
             ops.append(p.Advance(seq.rid, seq.num_computed, seq.append))
-            ops.append(p.CacheBlocks(seq.rid, seq.num_computed))
             seq.to_advance, seq.append = False, []
         ops += [p.Free(seq.rid) for seq in self.finishing]
         self.released = self.finishing   # over once these ops are sent
@@ -355,10 +375,19 @@ class Engine:
                 ops.append(p.AddRequest(seq.rid, list(seq.tokens)))
                 seq.added = True
             admits.append((seq, len(ops)))
-            ops.append(p.Admit(seq.rid, n, delay_cache_blocks=True))
+            ops.append(p.Admit(seq.rid, n, wait_in_flight=self._wait_in_flight(seq)))
             budget -= n
             free -= need
         return admits
+
+    def _wait_in_flight(self, seq: Seq) -> int:
+        """`Admit.wait_in_flight` for the request: the engine's threshold
+        until its deadline for waiting passes (then 0: it computes)."""
+        if seq.wait_until and time.monotonic() >= seq.wait_until:
+            seq.wait_until = 0.0
+            self.stats.in_flight_timeouts += 1
+            return 0
+        return self.opts.wait_in_flight
 
     def _blocks_needed(self, seq: Seq, n: int) -> int:
         total = 0
@@ -372,11 +401,18 @@ class Engine:
         for table, ids in zip(seq.tables, new_ids):
             table.extend(ids)
 
-    def _admitted(self, seq: Seq, res: p.Admitted) -> bool:
-        """Start a request that `Admit` allocated; False if it was refused."""
+    def _admitted(self, seq: Seq, res: p.Admitted, writers: dict[int, "Seq"]) -> bool:
+        """Start a request that `Admit` allocated; False if it was refused
+        (short of blocks, or waiting for tokens in flight).  `writers`: the
+        blocks this step's requests write so far (this one's join them)."""
         if res.new_block_ids is None:
+            if (res.num_in_flight_tokens and not seq.wait_until
+                    and 0 < self.opts.wait_in_flight <= res.num_in_flight_tokens):
+                seq.wait_until = time.monotonic() + self.opts.in_flight_deadline
+                self.stats.in_flight_waits += 1
             return False
         st = self.stats
+        seq.wait_until = 0.0
         seq.tables = [list(h) + list(n) for h, n in zip(res.hit_block_ids, res.new_block_ids)]
         seq.num_computed = res.num_computed_tokens
         seq.scheduled = res.num_new_tokens
@@ -384,16 +420,32 @@ class Engine:
             seq.admitted_once = True
             st.prompt_tokens += seq.prompt_len
             st.hit_tokens += min(res.num_computed_tokens, seq.prompt_len)
-        if res.num_computed_tokens:
-            self.compute.admitted(seq, res.num_computed_tokens)
-        else:
-            self.compute.started(seq)
+        # Hits on blocks another request of this step writes: computed (and
+        # checked) after it.
+        seq.phase = 1 + max((writers[b].phase for b in res.hit_block_ids[0] if b in writers),
+                            default=-1)
+        seq.num_hit = res.num_computed_tokens
+        self._writes(seq, writers)
         self.running.append(seq)
         return True
 
+    def _writes(self, seq: Seq, writers: dict[int, "Seq"]) -> None:
+        """Record the blocks the request's scheduled tokens write this step
+        (a block it held already is completed by them, too)."""
+        bs = self.groups[0][1]
+        start = seq.num_computed
+        table = seq.tables[0]
+        writers.update((b, seq) for b in table[start // bs:-(-(start + seq.scheduled) // bs)])
+
     async def _preempt(self, failed: list[Seq]) -> None:
         """Preempt the newest running requests until every request in
-        `failed` got its slots (or was itself preempted)."""
+        `failed` got its slots (or was itself preempted).
+
+        NOTE: newest first also keeps same-step hits sound: a request that
+        hit blocks another request of this step writes was admitted after
+        that writer, so it is preempted before the writer is (a preempted
+        writer's pending blocks are uncached, and nobody left holds them
+        expecting their K/V)."""
         st = self.stats
         pending = list(failed)
         while pending:
@@ -404,11 +456,12 @@ class Engine:
             victim.num_computed = victim.scheduled = 0
             victim.tables = []
             victim.ctx = None
+            victim.num_hit, victim.phase = -1, 0
             st.preemptions += 1
             self.waiting.appendleft(victim)
             pending = [s for s in pending if s is not victim]
             retry = list(pending)
-            ops += [p.AllocateSlots(s.rid, s.scheduled, delay_cache_blocks=True) for s in retry]
+            ops += [p.AllocateSlots(s.rid, s.scheduled) for s in retry]
             t0 = time.perf_counter()
             results = await self._batch(ops)
             self.stats.coord_s += time.perf_counter() - t0
@@ -498,7 +551,16 @@ class Engine:
         anything ran."""
         st = self.stats
         scheduled = [seq for seq in self.running if seq.scheduled]
-        self.compute.run(scheduled)
+        compute = self.compute
+        for phase in range(max((s.phase for s in scheduled), default=0) + 1):
+            batch = [s for s in scheduled if s.phase == phase]
+            for seq in batch:       # admitted this step: its hits are written now
+                if seq.num_hit > 0:
+                    compute.admitted(seq, seq.num_hit)
+                elif seq.num_hit == 0:
+                    compute.started(seq)
+                seq.num_hit = -1
+            compute.run(batch)
         now = time.monotonic()
         still = []
         for seq in self.running:

@@ -11,6 +11,15 @@ prefix-cache hit on a free block takes it out of the middle.  Blocks in the
 free queue keep their hash until they are reused (evicted on allocation).
 The map does not deduplicate: several blocks may be cached under one hash,
 and lookups return the earliest cached one.
+
+Readiness (`track_ready`, the coordinator's pools): a block cached before
+its K/V are written is *pending* (FLAG_PENDING, and `pending` maps it to its
+writer's session).  Lookups by the writer's session see it, as vLLM's own
+manager would (the same batch computes it); other sessions' lookups stop at
+it and count it as in flight.  `mark_ready` clears the mark; a pending
+block whose writer lets go of it is uncached (`drop_pending`), never
+served.  The marks need no undo entries: a ready mark states a fact about
+the arena that outlives any frame, and an uncached block only costs a hit.
 """
 
 from __future__ import annotations
@@ -26,6 +35,7 @@ from kvshm.core.segment import (
     EVICTED_WORD,
     FLAG_CACHED,
     FLAG_NULL,
+    FLAG_PENDING,
     FLAG_SINK,
     FREE_WORD as _FREE,
     SEQ_WORD as _SEQ,
@@ -79,6 +89,14 @@ class BlockPool:
         # KV-cache events (core/events.py) when the pool publishes them: the
         # managers record what they cache, the pool what it evicts or resets.
         self.events: EventLog | None = None
+        # Readiness (see the module doc): whether blocks cached ahead of
+        # their K/V are marked pending, the session whose frame runs now
+        # (it writes what it caches and sees its own pending blocks), and
+        # pending block -> writer session.
+        self.track_ready = False
+        self.reader = 0
+        self.pending: dict[int, int] = {}
+        self.num_dropped_pending = 0
         if attach:
             # The adopting process is the only writer: read fields directly
             # (a dead writer may have left the mutation counter odd).
@@ -225,6 +243,9 @@ class BlockPool:
                 if r == 0:
                     freed.append(b)
         if freed:
+            if self.pending:
+                for b in freed:
+                    self.drop_pending(b)
             self._append_n(freed)
 
     # -- prefix cache ------------------------------------------------------
@@ -233,15 +254,47 @@ class BlockPool:
         None if any group misses."""
         out = []
         maps = self._maps
+        pending = self.pending
         for g in group_ids:
             hit = maps[g].get(block_hash)
             if hit is None:
                 return None
-            out.append(hit if hit.__class__ is int else next(iter(hit)))
+            if pending:
+                hit = self.visible(hit)
+                if hit is None:
+                    return None
+                out.append(hit)
+            else:
+                out.append(hit if hit.__class__ is int else next(iter(hit)))
         return out
 
-    def cache_block(self, block: int, block_hash: bytes, group_id: int) -> None:
-        """Record `block` (full, uncached, not null) under (hash, group)."""
+    def visible(self, hit) -> int | None:
+        """The block a lookup by the current `reader` takes from an index
+        entry (a block id or an ordered dict of them): the earliest cached
+        one that is ready or pending by the reader itself, or None."""
+        pending, me = self.pending, self.reader
+        if hit.__class__ is int:
+            w = pending.get(hit)
+            return hit if w is None or w == me else None
+        for b in hit:
+            w = pending.get(b)
+            if w is None or w == me:
+                return b
+        return None
+
+    def in_flight(self, hit) -> bool:
+        """Whether an index entry holds a block another session is writing."""
+        pending, me = self.pending, self.reader
+        if hit.__class__ is int:
+            w = pending.get(hit)
+            return w is not None and w != me
+        return any(pending.get(b, me) != me for b in hit)
+
+    def cache_block(self, block: int, block_hash: bytes, group_id: int,
+                    pending: bool = False) -> None:
+        """Record `block` (full, uncached, not null) under (hash, group);
+        `pending`: its K/V are not written yet (the current reader writes
+        them)."""
         m = self._maps[group_id]
         cur = m.get(block_hash)
         if cur is None:
@@ -253,10 +306,26 @@ class BlockPool:
         off = block * _H
         self._hashes[off:off + len(block_hash)] = block_hash
         self._group[block] = group_id
-        self._flags[block] = FLAG_CACHED
+        if pending:
+            self._flags[block] = FLAG_CACHED | FLAG_PENDING
+            self.pending[block] = self.reader
+        else:
+            self._flags[block] = FLAG_CACHED
         self._cache_stamp[block] = self._next_cache_stamp
         self._next_cache_stamp += 1
         self.num_cached_blocks += 1
+
+    def mark_ready(self, block: int) -> None:
+        """Block `block`'s K/V are in the arena: every lookup may hit it."""
+        if self.pending.pop(block, None) is not None:
+            self._flags[block] = FLAG_CACHED
+
+    def drop_pending(self, block: int) -> None:
+        """Uncache `block` if it is still pending (its writer let go of it
+        before its K/V were written)."""
+        if self._flags[block] & FLAG_PENDING:
+            self._evict(block)
+            self.num_dropped_pending += 1
 
     def block_hash(self, block: int) -> bytes | None:
         """The hash `block` is cached under, or None."""
@@ -277,6 +346,8 @@ class BlockPool:
             del cur[b]
             if cur:
                 m[key] = cur if len(cur) > 1 else next(iter(cur))
+        if self._flags[b] & FLAG_PENDING:
+            self.pending.pop(b, None)
         self._flags[b] = 0
         self.num_cached_blocks -= 1
         self._words[EVICTED_WORD] += 1
@@ -304,6 +375,7 @@ class BlockPool:
             return False
         for m in self._maps:
             m.clear()
+        self.pending.clear()
         # Every block but the null block is free here (no sink blocks either:
         # they count as used), so a flag is either 0 or CACHED.
         flags = self._flags

@@ -16,6 +16,7 @@ from kvshm.core.hashing import HASH_SLOT_BYTES
 from kvshm.core.segment import (
     FLAG_CACHED,
     FLAG_NULL,
+    FLAG_PENDING,
     FLAG_SINK,
     RID_BYTES,
     SLOT_META_FIELDS,
@@ -134,6 +135,8 @@ def check_segment(seg: PoolSegment, pool=None, timeout: float = 2.0) -> CheckRep
     widths = seg.layout.widths
     counted = [0] * n
     owner_group = [-1] * n  # a block holds one group's KV: it is in one group only
+    # A pending block is held by requests of its writer's session only.
+    pending_owner: dict[int, int] = {}
     in_use = 0
     for slot in range(cfg.max_num_seqs):
         meta = snap.slot_meta[slot * SLOT_META_FIELDS:(slot + 1) * SLOT_META_FIELDS]
@@ -159,6 +162,9 @@ def check_segment(seg: PoolSegment, pool=None, timeout: float = 2.0) -> CheckRep
                     rep.add(f"slot {slot} group {g}: block id {b} out of range")
                 elif b:
                     counted[b] += 1
+                    if flags[b] & FLAG_PENDING and pending_owner.setdefault(b, meta[1]) != meta[1]:
+                        rep.add(f"pending block {b} is held by sessions {pending_owner[b]} "
+                                f"and {meta[1]}: only its writer's session may hold it")
                     if owner_group[b] == -1:
                         owner_group[b] = g
                     elif owner_group[b] != g:
@@ -198,6 +204,12 @@ def check_segment(seg: PoolSegment, pool=None, timeout: float = 2.0) -> CheckRep
             rep.add(f"block {b} is both free and referenced (ref count {ref[b]})")
         if not in_free[b] and ref[b] == 0:
             rep.add(f"block {b} has ref count 0 but is not in the free queue (leaked)")
+        if f & FLAG_PENDING:
+            if not f & FLAG_CACHED:
+                rep.add(f"block {b} is marked pending but not cached")
+            if not counted[b]:
+                rep.add(f"pending block {b} is held by no request (its K/V will never be "
+                        "written: it must be uncached)")
         if f & FLAG_CACHED:
             cached += 1
             if snap.hash_group[b] >= num_groups:
@@ -237,3 +249,7 @@ def _check_index(pool, snap: _Snapshot, rep: CheckReport) -> None:
                             "caching order")
     if seen != rep.num_cached_blocks:
         rep.add(f"index holds {seen} cached blocks, the segment {rep.num_cached_blocks}")
+    marked = {b for b in range(len(snap.flags)) if snap.flags[b] & FLAG_PENDING}
+    if marked != set(pool.pending):
+        rep.add(f"readiness index: {len(set(pool.pending) - marked)} blocks pending in the "
+                f"index only, {len(marked - set(pool.pending))} in the segment only")

@@ -38,6 +38,7 @@ class GroupLogic:
     def _bind_single(self, m: SingleTypeManager) -> None:
         """One group: call its manager directly (the hot path of most pools)."""
         self.cache_blocks = m.cache_blocks
+        self.mark_computed = m.mark_computed
         self.free = m.free
         if m.has_window:
             self.remove_skipped_blocks = m.remove_skipped_blocks
@@ -98,6 +99,10 @@ class GroupLogic:
         for m in self.managers:
             m.cache_blocks(request, num_computed_tokens)
 
+    def mark_computed(self, request_id: str, num_computed_tokens: int) -> None:
+        for m in self.managers:
+            m.mark_computed(request_id, num_computed_tokens)
+
     def free(self, request_id: str) -> None:
         for m in self.managers:
             m.free(request_id)
@@ -115,6 +120,12 @@ class GroupLogic:
     def find_longest_cache_hit(self, block_hashes: list[bytes],
                                max_length: int) -> tuple[BlockIds, int]:
         raise NotImplementedError
+
+    @property
+    def in_flight_tokens(self) -> int:
+        """Tokens past the last hit found that other sessions are writing
+        now (counted for one full-attention group; 0 otherwise)."""
+        return 0
 
 
 class NoPrefixCache(GroupLogic):
@@ -139,6 +150,10 @@ class Unitary(GroupLogic):
         hit = self._manager.find_longest_cache_hit(block_hashes, max_length, [0],
                                                    self._block_size)
         return (hit[0],), len(hit[0]) * self._block_size
+
+    @property
+    def in_flight_tokens(self) -> int:
+        return self._manager.in_flight_tokens
 
 
 class Hybrid(GroupLogic):

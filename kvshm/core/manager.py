@@ -19,7 +19,7 @@ from kvshm.core.groups import BlockIds, any_blocks, make_group_logic
 from kvshm.core.hashing import BlockHasher
 from kvshm.core.recovery import RepairReport, repair
 from kvshm.core.request import Request
-from kvshm.core.segment import SEQ_WORD, PoolSegment
+from kvshm.core.segment import FLAG_PENDING, SEQ_WORD, PoolSegment
 from kvshm.core.specs import PoolConfig
 from kvshm.core.table import RequestTable
 
@@ -36,10 +36,16 @@ class KVCacheManager:
             created and owned: `close()` unlinks it.
         kv_events: record KV-cache events (core/events.py) for
             `take_events()`.
+        track_ready: cache blocks ahead of their K/V as pending
+            (block_pool.py, "readiness"): for a pool several engines share.
+            The session whose calls run now is `block_pool.reader`;
+            `mark_computed` reports a request's K/V written.  Without it
+            (one engine, as vLLM) a block is a hit for all once cached.
     """
 
     def __init__(self, config: PoolConfig | None = None, *, name: str | None = None,
-                 segment: PoolSegment | None = None, kv_events: bool = False) -> None:
+                 segment: PoolSegment | None = None, kv_events: bool = False,
+                 track_ready: bool = False) -> None:
         if segment is None:
             if config is None:
                 raise InvalidArgument("a config or a segment is required")
@@ -58,10 +64,12 @@ class KVCacheManager:
                 self.repair_report = repair(segment)
             segment.begin_mutation()
             self.block_pool = BlockPool(segment, attach=attach)
+            self.block_pool.track_ready = track_ready
             self.table = RequestTable(segment)
             self.groups = make_group_logic(config, self.block_pool, self.table)
             if attach:
                 self._adopt_table()
+                self._adopt_pending()
                 # This process is the pool's writer from now on.
                 segment.set("generation", segment.get("generation") + 1)
                 segment.set("coordinator_pid", os.getpid())
@@ -77,6 +85,7 @@ class KVCacheManager:
         # allocation was refused for it rather than for the pool.
         self.free_floor = 0
         self.refused_by_floor = False
+        self.num_in_flight_tokens = 0
         self._frame = False
         self.empty_blocks: BlockIds = tuple(() for _ in config.groups)
         self._widths = self.table.widths
@@ -121,6 +130,29 @@ class KVCacheManager:
                 if cached >= 0:
                     m.num_cached_block[rid] = cached
 
+    def _adopt_pending(self) -> None:
+        """Rebuild the readiness index from the segment: a pending block's
+        writer is the session owning the request that cached it (the
+        cached part of a row holding it).  A pending block no row holds
+        (its writer's frame was cut off) is uncached."""
+        pool, table = self.block_pool, self.table
+        flags = self.segment.flags
+        for rid, slot in table.slot_of.items():
+            owner = table.owner(slot)
+            for m in self.groups.managers:
+                blocks = m.req_to_blocks.get(rid)
+                if not blocks:
+                    continue
+                for i in range(min(m.num_cached_block.get(rid, 0), len(blocks))):
+                    b = blocks[i]
+                    if b and flags[b] & FLAG_PENDING and b not in pool.pending:
+                        pool.pending[b] = owner
+                        m.pending_of.setdefault(rid, []).append(i)
+        orphans = [b for b in range(self.config.num_blocks)
+                   if flags[b] & FLAG_PENDING and b not in pool.pending]
+        for b in orphans:
+            pool.drop_pending(b)
+
     # -- lifecycle ---------------------------------------------------------------
     def close(self) -> None:
         """Release the segment (and unlink it if this manager created it)."""
@@ -160,12 +192,17 @@ class KVCacheManager:
     def get_computed_blocks(self, request: Request) -> tuple[BlockIds, int]:
         """Prefix-cache hit of a waiting request: (blocks per group, tokens).
 
-        Never covers the last token; changes no block state.
+        Never covers the last token; changes no block state.  With
+        readiness, `num_in_flight_tokens` then says how many tokens past the
+        hit other sessions are writing now.
         """
+        self.num_in_flight_tokens = 0
         if not self.enable_caching or request.skip_reading_prefix_cache:
             return self.empty_blocks, 0
         blocks, n = self.groups.find_longest_cache_hit(request.block_hashes,
                                                        request.num_tokens - 1)
+        if self.block_pool.pending:
+            self.num_in_flight_tokens = self.groups.in_flight_tokens
         self._begin()
         self.block_pool.record_lookup(request.num_tokens, n)
         self._end()
@@ -360,6 +397,17 @@ class KVCacheManager:
         self._begin()
         try:
             self.groups.cache_blocks(request, num_computed_tokens)
+        finally:
+            self._end()
+
+    def mark_computed(self, request: Request) -> None:
+        """The request's K/V up to its `num_computed_tokens` are in the
+        arena: its pending blocks below that become hits for every session."""
+        if not self.block_pool.pending:
+            return
+        self._begin()
+        try:
+            self.groups.mark_computed(request.request_id, request.num_computed_tokens)
         finally:
             self._end()
 

@@ -48,6 +48,12 @@ class SingleTypeManager:
         self.hash_stride = self.block_size // config.hash_block_size or 1
         self.req_to_blocks: dict[str, list[int]] = {}
         self.num_cached_block: dict[str, int] = {}
+        # Readiness (block_pool.py): per request, the indices of the blocks
+        # it cached ahead of their K/V and has not reported computed yet.
+        self.pending_of: dict[str, list[int]] = {}
+        # Tokens in flight past the last hit found (blocks other sessions
+        # are writing), for the full-attention search.
+        self.in_flight_tokens = 0
         # Every group's prefix-cache index, bound once: the pool keeps each
         # group's dict for its lifetime.
         self._hash_to_block = [pool.hash_to_block(g) for g in range(len(config.groups))]
@@ -177,12 +183,20 @@ class SingleTypeManager:
         hashes = request.block_hashes
         assert len(hashes) >= num_full * k, "block hashes lag behind the tokens"
         pool, g = self.pool, self.group_id
+        end = min(num_full, len(blocks))
         # A request may hold fewer blocks than `num_tokens` covers: cache
-        # what it holds.
-        for i in range(num_cached, min(num_full, len(blocks))):
+        # what it holds.  With readiness, blocks past the computed tokens are
+        # cached pending (this step computes them).
+        ready = end
+        if pool.track_ready:
+            ready = max(request.num_computed_tokens // self.block_size, num_cached)
+            if ready < end:
+                self.pending_of.setdefault(rid, []).extend(
+                    i for i in range(ready, end) if blocks[i])
+        for i in range(num_cached, end):
             b = blocks[i]
             if b:  # null placeholders (out of window) are never cached
-                pool.cache_block(b, hashes[i * k + k - 1], g)
+                pool.cache_block(b, hashes[i * k + k - 1], g, i >= ready)
         self._set_num_cached(rid, num_full)
         if pool.events is not None:   # (off the hot path when nobody records events)
             stored = [hashes[i * k + k - 1] for i in range(num_cached, min(num_full, len(blocks)))
@@ -194,10 +208,36 @@ class SingleTypeManager:
                 tokens[num_cached * bs:num_full * bs] if tokens is not None else [],
                 bs, request, g)
 
+    def mark_computed(self, request_id: str, num_computed_tokens: int) -> None:
+        """The request's K/V up to `num_computed_tokens` are in the arena:
+        the blocks it cached pending below them become ready."""
+        idx = self.pending_of.get(request_id)
+        if not idx:
+            return
+        n = num_computed_tokens // self.block_size
+        blocks = self.req_to_blocks[request_id]
+        mark = self.pool.mark_ready
+        keep = []
+        for i in idx:
+            if i < n:
+                mark(blocks[i])
+            else:
+                keep.append(i)
+        if keep:
+            self.pending_of[request_id] = keep
+        else:
+            del self.pending_of[request_id]
+
     # -- freeing -------------------------------------------------------------
     def free(self, request_id: str) -> None:
-        """Free the request's blocks, tail first (so the tail is evicted first)."""
+        """Free the request's blocks, tail first (so the tail is evicted first).
+        Blocks it cached pending are uncached: their K/V will never come."""
         blocks = self.req_to_blocks.pop(request_id, None)
+        idx = self.pending_of.pop(request_id, None)
+        if idx and blocks:
+            drop = self.pool.drop_pending
+            for i in idx:
+                drop(blocks[i])
         if blocks:
             self.pool.free_blocks(reversed(blocks))
         self.num_cached_block.pop(request_id, None)
@@ -255,14 +295,27 @@ class FullAttentionManager(SingleTypeManager):
         bs = self.block_size
         n = min(max_length // bs, len(hashes))
         pool = self.pool
+        self.in_flight_tokens = 0
         if len(group_ids) == 1:
             lookup = self._hash_to_block[group_ids[0]].get
             hit = []
-            for i in range(n):
-                b = lookup(hashes[i])
-                if b is None:
-                    break
-                hit.append(b if b.__class__ is int else next(iter(b)))
+            if pool.pending:
+                visible = pool.visible
+                for i in range(n):
+                    b = lookup(hashes[i])
+                    if b is None:
+                        break
+                    v = visible(b)
+                    if v is None:
+                        self.in_flight_tokens = self._in_flight(lookup, hashes, i, n)
+                        break
+                    hit.append(v)
+            else:
+                for i in range(n):
+                    b = lookup(hashes[i])
+                    if b is None:
+                        break
+                    hit.append(b if b.__class__ is int else next(iter(b)))
             computed = [hit]
         else:
             computed = [[] for _ in group_ids]
@@ -280,6 +333,18 @@ class FullAttentionManager(SingleTypeManager):
             for c in computed:
                 del c[keep:]
         return computed
+
+    def _in_flight(self, lookup, hashes: list[bytes], i: int, n: int) -> int:
+        """Tokens of the run of blocks from index `i` that other sessions
+        are writing (cached, not ready), up to `n` blocks."""
+        in_flight = self.pool.in_flight
+        j = i
+        while j < n:
+            b = lookup(hashes[j])
+            if b is None or not in_flight(b):
+                break
+            j += 1
+        return (j - i) * self.block_size
 
     def get_num_common_prefix_blocks(self, request_id: str) -> int:
         blocks = self._entry(request_id)

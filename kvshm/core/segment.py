@@ -17,6 +17,7 @@ Layout (every array 64-byte aligned, native byte order):
     cache_stamp       int64[num_blocks]   order in which blocks were cached
     hash_group        uint16[num_blocks]  group the cached hash belongs to
     flags             uint8[num_blocks]   FLAG_NULL | FLAG_CACHED | FLAG_SINK
+                                          | FLAG_PENDING
     hashes            uint8[num_blocks * 32] cached block hash (zero padded)
     slot_meta         int32[max_num_seqs * 4]  rid length, owner, in use, -
     slot_rid          uint8[max_num_seqs * 64] request id (utf-8)
@@ -70,13 +71,16 @@ MAGIC = b"KVSHMPL\0"
 # (magic, layout version, header size, config fingerprint, num_blocks,
 # creator pid at the same offsets), so `segment_info` reads both kinds.
 ARENA_MAGIC = b"KVSHMKV\0"
-LAYOUT_VERSION = 3   # 2: undo log, session records and replies (recovery); 3: metrics
+LAYOUT_VERSION = 4
 RID_BYTES = 64
 SLOT_META_FIELDS = 4  # rid_len, owner session, in_use, reserved
 
 FLAG_NULL = 1
 FLAG_CACHED = 2
 FLAG_SINK = 4
+# A cached block whose K/V its writer has not reported written yet
+# (core/block_pool.py, "readiness"); always together with FLAG_CACHED.
+FLAG_PENDING = 8
 
 # The pool header's fixed fields: name -> (offset, struct format).  The KV
 # arena writes the leading ones (up to coordinator_pid) at the same offsets.

@@ -9,6 +9,7 @@ from kvshm.core.metrics import read_metrics
 from kvshm.core.segment import (
     COUNTER_FIELDS,
     FLAG_CACHED,
+    FLAG_PENDING,
     SLOT_META_FIELDS,
     PoolSegment,
     segment_info,
@@ -33,7 +34,8 @@ def read_stats(seg: PoolSegment, timeout: float = 1.0) -> dict:
 
     def read():
         counters = {f: seg.get(f) for f in COUNTER_FIELDS + _CHURN_FIELDS}
-        cached = bytes(seg.flags).count(FLAG_CACHED)
+        flags = bytes(seg.flags)
+        cached = flags.count(FLAG_CACHED) + flags.count(FLAG_CACHED | FLAG_PENDING)
         sessions: dict[int, dict] = defaultdict(lambda: {"requests": 0, "blocks": 0})
         meta, counts = seg.slot_meta, seg.slot_counts
         for slot in range(cfg.max_num_seqs):

@@ -80,7 +80,7 @@ def create_pool(config: PoolConfig, name: str) -> OpenPool:
     from kvshm.arena import KVArena, arena_name
     from kvshm.config import pool_bytes
     check_shm_space(pool_bytes(config))
-    mgr = KVCacheManager(config, name=name)
+    mgr = KVCacheManager(config, name=name, track_ready=True)
     try:
         lock = lock_segment(mgr.segment.name)
     except BaseException:
@@ -125,7 +125,7 @@ def adopt_pool(config: PoolConfig, name: str) -> OpenPool:
         if not report.clean:
             raise SegmentError(f"pool {name!r} cannot be repaired ({report.summary()}): "
                                + fresh_hint(name))
-        mgr = KVCacheManager(segment=seg)
+        mgr = KVCacheManager(segment=seg, track_ready=True)
     except BaseException:
         if arena is not None:
             arena.close()

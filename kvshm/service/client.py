@@ -380,12 +380,14 @@ class Client(SessionInfo):
         return r.new_block_ids
 
     async def admit(self, req: str, max_new_tokens: int, *, num_lookahead_tokens: int = 0,
-                    delay_cache_blocks: bool = False,
+                    delay_cache_blocks: bool = False, wait_in_flight: int = 0,
                     timeout: float | None = None) -> p.Admitted:
         """Lookup + allocation of a waiting request in one atomic step (see
-        `protocol.Admit`); `.new_block_ids` is None if the pool is short."""
+        `protocol.Admit`); `.new_block_ids` is None if the pool is short, or
+        if at least `wait_in_flight` (> 0) tokens past the hit are in
+        flight (`.num_in_flight_tokens`)."""
         return await self.call(p.Admit(req, max_new_tokens, num_lookahead_tokens,
-                                       delay_cache_blocks), timeout)
+                                       delay_cache_blocks, wait_in_flight), timeout)
 
     async def cache_blocks(self, req: str, num_computed_tokens: int,
                            timeout: float | None = None) -> None:

@@ -86,6 +86,7 @@ class OpExecutor:
     def __init__(self, mgr: KVCacheManager, *, max_batch_ops: int = p.MAX_BATCH_OPS,
                  resumable: bool = False, quotas: dict[str, int] | None = None) -> None:
         self.mgr = mgr
+        self._pool = mgr.block_pool
         self.metrics = MetricsWriter(mgr.segment.metrics)
         self._mwords = self.metrics.words
         self.tenants = TenantBook(mgr, self.metrics, quotas)
@@ -303,6 +304,7 @@ class OpExecutor:
         `latency_bucket` inline and one clock read an op: this is the hot
         path), and a tenant's request ids get its scope."""
         dispatch, bases, w, scope = self._dispatch, self._op_base, self._mwords, owner.scope
+        self._pool.reader = owner.id   # lookups see its pending blocks, caching marks them
         op = None
         try:
             t = perf_counter_ns()
@@ -435,13 +437,16 @@ class OpExecutor:
         elif op.append:
             req.append_token_ids(op.append)
         req.num_computed_tokens = n
+        if self._pool.pending:   # its K/V up to n are written: its pending blocks are ready
+            self.mgr.mark_computed(req)
         return p.Done()
 
     def _hits(self, owner: Owner, op: p.GetComputedBlocks):
         st = self._owned(owner, op.req)
-        blocks, n = self.mgr.get_computed_blocks(st.request)
+        mgr = self.mgr
+        blocks, n = mgr.get_computed_blocks(st.request)
         st.hits = blocks
-        return p.ComputedBlocks(blocks, n)
+        return p.ComputedBlocks(blocks, n, mgr.num_in_flight_tokens)
 
     def _alloc(self, owner: Owner, op: p.AllocateSlots):
         st = self._owned(owner, op.req)
@@ -470,6 +475,7 @@ class OpExecutor:
             raise InvalidArgument(f"max_new_tokens must be in [1, {MAX_COUNT}] "
                                   f"(got {op.max_new_tokens})")
         check_count("num_lookahead_tokens", op.num_lookahead_tokens, MAX_COUNT)
+        check_count("wait_in_flight", op.wait_in_flight, MAX_COUNT)
         mgr = self.mgr
         req = st.request
         if req.num_computed_tokens:
@@ -477,13 +483,16 @@ class OpExecutor:
                                   f"{req.num_computed_tokens} computed tokens; Admit is "
                                   "for a waiting request (free it with preempted=true first)")
         hits, num_hit = mgr.get_computed_blocks(req)
+        in_flight = mgr.num_in_flight_tokens
         n = min(op.max_new_tokens, req.num_tokens - num_hit)
+        if 0 < op.wait_in_flight <= in_flight:    # it waits for them: nothing allocated
+            return p.Admitted(hits, num_hit, n, None, mgr.block_pool.num_free_blocks, in_flight)
         new = mgr.allocate_slots(req, n, num_hit, hits, op.num_lookahead_tokens, 0,
                                  op.delay_cache_blocks)
         if new is None and mgr.refused_by_floor:
             self.tenants.refused(owner.slot)
         self._claim(st, op.req)
-        return p.Admitted(hits, num_hit, n, new, mgr.block_pool.num_free_blocks)
+        return p.Admitted(hits, num_hit, n, new, mgr.block_pool.num_free_blocks, in_flight)
 
     def _cache(self, owner: Owner, op: p.CacheBlocks):
         st = self._owned(owner, op.req)

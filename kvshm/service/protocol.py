@@ -15,9 +15,7 @@ import msgspec
 
 from kvshm.core.extra_keys import MultiModalFeature, check_mm_features, embeds_rows
 
-PROTOCOL_VERSION = 6   # 2: Welcome.arena_segment, Admit; 3: admin and resumable sessions;
-                       # 4: Error.fields; 5: TakeEvents; 6: AddRequest.mm_features,
-                       # prompt_embeds, num_prompt_tokens
+PROTOCOL_VERSION = 7
 MAX_BATCH_OPS = 4096
 
 
@@ -136,12 +134,18 @@ class Admit(_Op, tag="admit"):
     """Admit a waiting request in one step, as a scheduler does: look up its
     prefix-cache hits, then allocate slots for min(max_new_tokens, the
     tokens not hit) new tokens on top of them.  Atomic, so no other worker
-    can evict a hit between the lookup and the allocation."""
+    can evict a hit between the lookup and the allocation.
+
+    `wait_in_flight` > 0: when at least that many tokens past the hit are
+    in flight (other sessions are writing their blocks now), allocate
+    nothing and say so (`Admitted.num_in_flight_tokens`), so the request
+    can wait for them instead of computing them again."""
 
     req: str
     max_new_tokens: int
     num_lookahead_tokens: int = 0
     delay_cache_blocks: bool = False
+    wait_in_flight: int = 0
 
 
 class CacheBlocks(_Op, tag="cache"):
@@ -208,8 +212,12 @@ class Done(_Op, tag="done"):
 
 
 class ComputedBlocks(_Op, tag="hits"):
+    """A lookup's hits, and the tokens past them that other sessions are
+    writing now (they become hits once ready)."""
+
     block_ids: list[list[int]]
     num_computed_tokens: int
+    num_in_flight_tokens: int = 0
 
 
 class Allocated(_Op, tag="alloc"):
@@ -220,13 +228,16 @@ class Allocated(_Op, tag="alloc"):
 class Admitted(_Op, tag="admit"):
     """Admit's result: the hits (per group, null blocks included) and the
     hit token count; the new tokens scheduled and their new block ids, or
-    None if the pool is short of blocks (the request stays unallocated)."""
+    None if the pool is short of blocks or the request waits for tokens in
+    flight (`num_in_flight_tokens` >= `Admit.wait_in_flight`); the request
+    stays unallocated then."""
 
     hit_block_ids: list[list[int]]
     num_computed_tokens: int
     num_new_tokens: int
     new_block_ids: list[list[int]] | None
     num_free_blocks: int
+    num_in_flight_tokens: int = 0
 
 
 class FreeBlocks(_Op, tag="free"):

@@ -326,9 +326,10 @@ class SyncClient(SessionInfo):
             num_encoder_tokens), timeout).new_block_ids
 
     def admit(self, req: str, max_new_tokens: int, *, num_lookahead_tokens: int = 0,
-              delay_cache_blocks: bool = False, timeout: float | None = None) -> p.Admitted:
+              delay_cache_blocks: bool = False, wait_in_flight: int = 0,
+              timeout: float | None = None) -> p.Admitted:
         return self.call(p.Admit(req, max_new_tokens, num_lookahead_tokens,
-                                 delay_cache_blocks), timeout)
+                                 delay_cache_blocks, wait_in_flight), timeout)
 
     def cache_blocks(self, req: str, num_computed_tokens: int,
                      timeout: float | None = None) -> None:

@@ -4,10 +4,12 @@ of the synchronous client, one round trip per call.
 vLLM requests go to the coordinator by their block hashes (the ones vLLM
 computed: the pool hashes with the same `vllm-sha256`), and are brought up
 to date (new tokens, hashes, computed count) in the frame of the next op
-that needs them.  Caching is delayed to the end of the step
-(`step_computed`): a block becomes a hit for other engines only once this
-engine's forward pass wrote its K/V into the arena.  Runs inside vLLM
-processes only (no vLLM import here, though).
+that needs them.  Full blocks are cached when they are allocated, as by
+vLLM's own manager, so this engine hits them in the same step; the pool
+keeps them pending (invisible to other engines) until this engine says
+their K/V are in the arena: `step_computed` queues that word for the
+request, and the next frame this engine sends carries it (no round trip of
+its own).  Runs inside vLLM processes only (no vLLM import here, though).
 """
 
 from __future__ import annotations
@@ -44,16 +46,18 @@ class _Sent:
 class RemoteBackend:
     """A vLLM engine's session with a coordinator (see the module doc)."""
 
-    def __init__(self, client: SyncClient, *, delay_caching: bool = True) -> None:
+    def __init__(self, client: SyncClient) -> None:
         self.client = client
         self.config: PoolConfig = client.config
         self.num_blocks = self.config.num_blocks
-        self.delay_caching = delay_caching
         self.segment = PoolSegment.attach(client.pool_segment)
         self._flags = self.segment.flags
         self._hashes = self.segment.hashes
         self._sent: dict[str, _Sent] = {}
-        self._pending: dict[str, int] = {}    # request -> tokens to cache after the step
+        # Per request allocated this step: its computed tokens before the
+        # step's; and the computed counts to report in the next frame.
+        self._step_start: dict[str, int] = {}
+        self._computed: list = []
         self._mirror: dict[str, list[list[int]]] | None = (
             {} if all(isinstance(g, _GROWING) for g in self.config.groups) else None)
         self.stale_hits = 0          # allocations retried because another engine took the hit
@@ -93,7 +97,11 @@ class RemoteBackend:
         return [op]
 
     def _run(self, ops: list):
-        """Run ops in one frame; the last one's reply."""
+        """Run ops in one frame, after the computed counts `step_computed`
+        queued; the last op's reply."""
+        if self._computed:
+            ops = self._computed + ops
+            self._computed = []
         return self.client.batch(ops)[-1] if len(ops) > 1 else self.client.call(ops[0])
 
     # -- the manager's calls ---------------------------------------------------------------
@@ -105,10 +113,10 @@ class RemoteBackend:
                        num_lookahead_tokens, num_external_computed_tokens,
                        delay_cache_blocks, num_encoder_tokens) -> list[list[int]] | None:
         rid = request.request_id
-        delay = delay_cache_blocks or self.delay_caching
         ops = self._sync(request) + [p.AllocateSlots(
             rid, num_new_tokens, num_new_computed_tokens, hits is not None,
-            num_lookahead_tokens, num_external_computed_tokens, delay, num_encoder_tokens)]
+            num_lookahead_tokens, num_external_computed_tokens, delay_cache_blocks,
+            num_encoder_tokens)]
         try:
             new = self._run(ops).new_block_ids
         except StaleHits:
@@ -126,27 +134,29 @@ class RemoteBackend:
             else:
                 for h, n in zip(held, new):
                     h.extend(n)
-        if self.delay_caching and not delay_cache_blocks and self.config.enable_caching:
-            total = (request.num_computed_tokens + num_new_computed_tokens
-                     + num_external_computed_tokens + num_new_tokens)
-            self._pending[rid] = min(total, request.num_tokens)
+        self._step_start[rid] = (request.num_computed_tokens + num_new_computed_tokens
+                                 + num_external_computed_tokens)
         return new
 
-    def step_computed(self, request_ids) -> None:
-        """The forward pass of a step wrote the K/V of its requests: cache
-        their full blocks now (one frame for the whole step)."""
-        pending = self._pending
-        ops = [p.CacheBlocks(rid, pending.pop(rid)) for rid in request_ids if rid in pending]
-        if ops:
-            self.client.batch(ops)
+    def step_computed(self, num_scheduled_tokens: dict[str, int]) -> None:
+        """The forward pass of a step wrote the K/V of its requests' scheduled
+        tokens (`num_scheduled_tokens`: request id -> tokens): their blocks
+        become hits for every engine once the next frame says so."""
+        start = self._step_start
+        for rid, n in num_scheduled_tokens.items():
+            c = start.pop(rid, None)
+            sent = self._sent.get(rid)
+            if c is not None and sent is not None and c + n > sent.computed:
+                sent.computed = c + n
+                self._computed.append(p.Advance(rid, c + n))
+        start.clear()
 
     def cache_blocks(self, request, num_computed_tokens: int) -> None:
-        self._pending.pop(request.request_id, None)
         self._run(self._sync(request) + [p.CacheBlocks(request.request_id, num_computed_tokens)])
 
     def free(self, request) -> None:
         rid = request.request_id
-        self._pending.pop(rid, None)
+        self._step_start.pop(rid, None)
         if self._mirror is not None:
             self._mirror.pop(rid, None)
         if rid not in self._sent:
@@ -154,13 +164,14 @@ class RemoteBackend:
         # A running request freed is being preempted: the coordinator keeps
         # its hashes for the lookup that re-admits it.
         preempted = getattr(request.status, "name", "") == "RUNNING"
+        ops = self._sync(request) if not preempted else []
         if not preempted:
             del self._sent[rid]
-        self.client.call(p.Free(rid, preempted))
+        self._run(ops + [p.Free(rid, preempted)])
 
     def remove_skipped_blocks(self, request_id: str, total_computed_tokens: int) -> None:
         if request_id in self._sent:
-            self.client.call(p.RemoveSkippedBlocks(request_id, total_computed_tokens))
+            self._run([p.RemoveSkippedBlocks(request_id, total_computed_tokens)])
 
     def get_block_ids(self, request_id: str) -> list[list[int]]:
         if self._mirror is not None:

@@ -1,0 +1,247 @@
+"""Block readiness: blocks cached at allocation are pending until their
+writer reports their K/V written; its own session hits them, others see
+them as in flight; a writer that lets go of them uncaches them; the marks
+survive a coordinator restart and are checked (core/block_pool.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+from helpers import make_config, tokens
+from kvshm import KVCacheManager, Request
+from kvshm.core.check import check_segment
+from kvshm.core.segment import FLAG_CACHED, FLAG_PENDING, PoolSegment
+from kvshm.service import protocol as p
+from kvshm.service.client import connect
+from kvshm.service.ops import OpExecutor
+from kvshm.service.process import CoordinatorProcess
+from kvshm.service.resume import Reconnect
+
+CFG = make_config(num_blocks=64, max_num_seqs=16)
+BS = 4
+FAST = Reconnect(initial_delay=0.01, max_delay=0.2, timeout=20)
+
+
+def _mgr(**kw) -> KVCacheManager:
+    return KVCacheManager(CFG, track_ready=True, **kw)
+
+
+def _req(mgr, rid, prompt) -> Request:
+    return Request(rid, prompt, mgr.make_hasher())
+
+
+def _lookup(mgr, session, rid, prompt):
+    mgr.block_pool.reader = session
+    blocks, n = mgr.get_computed_blocks(_req(mgr, rid, prompt))
+    return list(blocks[0]), n, mgr.num_in_flight_tokens
+
+
+def _write(mgr, session, rid, prompt) -> tuple[Request, list[int]]:
+    """Session `session` allocates (and so caches, pending) the whole prompt."""
+    mgr.block_pool.reader = session
+    req = _req(mgr, rid, prompt)
+    [new] = mgr.allocate_slots(req, len(prompt))
+    return req, new
+
+
+def test_pending_blocks_are_hits_for_their_writer_only():
+    prompt = tokens(0, 14)                       # 3 full blocks of 4
+    with _mgr() as mgr:
+        req, new = _write(mgr, 1, "a", prompt)
+        pool = mgr.block_pool
+        assert sorted(pool.pending) == new[:3] and set(pool.pending.values()) == {1}
+        assert all(mgr.segment.flags[b] == FLAG_CACHED | FLAG_PENDING for b in new[:3])
+        # Its own session hits them, exactly as vLLM's own manager would.
+        assert _lookup(mgr, 1, "b", prompt) == (new[:3], 12, 0)
+        # Another session sees them as in flight, not as hits.
+        assert _lookup(mgr, 2, "c", prompt) == ([], 0, 12)
+        req.num_computed_tokens = 8              # two blocks' K/V are written
+        mgr.mark_computed(req)
+        assert _lookup(mgr, 2, "c", prompt) == (new[:2], 8, 4)
+        req.num_computed_tokens = 14
+        mgr.mark_computed(req)
+        assert _lookup(mgr, 2, "c", prompt) == (new[:3], 12, 0)
+        assert not pool.pending and check_segment(mgr.segment, pool).clean
+
+
+def test_a_writer_that_frees_its_pending_blocks_uncaches_them():
+    prompt = tokens(0, 14)
+    with _mgr() as mgr:
+        req, new = _write(mgr, 1, "a", prompt)
+        req.num_computed_tokens = 4
+        mgr.mark_computed(req)                   # block 0 is ready, 1 and 2 are not
+        # A request of the same session holds the pending blocks as hits.
+        mgr.block_pool.reader = 1
+        other = _req(mgr, "b", prompt)
+        hits, n = mgr.get_computed_blocks(other)
+        mgr.allocate_slots(other, 2, n, hits)
+        mgr.free(req)                            # preempted or aborted: never computed
+        pool = mgr.block_pool
+        assert not pool.pending and pool.num_dropped_pending == 2
+        assert pool.block_hash(new[0]) is not None      # the ready block stays cached
+        assert pool.block_hash(new[1]) is None and pool.block_hash(new[2]) is None
+        for session in (1, 2):
+            assert _lookup(mgr, session, "c", prompt)[:2] == (new[:1], 4)
+        mgr.free(other)
+        assert check_segment(mgr.segment, pool).clean
+
+
+def test_embedded_pools_cache_as_vllm_does():
+    """Without track_ready (one engine) a cached block is a hit for all."""
+    prompt = tokens(0, 14)
+    with KVCacheManager(CFG) as mgr:
+        req, new = _write(mgr, 1, "a", prompt)
+        assert not mgr.block_pool.pending
+        assert _lookup(mgr, 2, "b", prompt) == (new[:3], 12, 0)
+        mgr.free(req)
+        assert _lookup(mgr, 2, "b", prompt)[1] == 12
+
+
+def test_check_finds_bad_marks_and_adoption_repairs_them(tmp_path):
+    prompt = tokens(0, 14)
+    mgr = _mgr()
+    try:
+        _, new = _write(mgr, 7, "a", prompt)
+        mgr.table.set_owner("a", 7)
+        free_block = mgr.block_pool.free_queue(1)[0]
+        flags = mgr.segment.flags
+        flags[free_block] = FLAG_PENDING                 # pending, not cached, held by none
+        problems = check_segment(mgr.segment).problems
+        assert any("pending but not cached" in m for m in problems)
+        assert any(f"pending block {free_block} is held by no request" in m for m in problems)
+        # A restarted coordinator rebuilds the index from the rows (the
+        # writer is the row's session) and uncaches what no row holds.
+        seg = PoolSegment.attach(mgr.segment.name)
+        flags[free_block] = FLAG_CACHED | FLAG_PENDING
+        adopted = KVCacheManager(segment=seg, track_ready=True)
+        try:
+            assert adopted.block_pool.pending == {b: 7 for b in new[:3]}
+            assert not seg.flags[free_block] & FLAG_PENDING
+            assert check_segment(seg, adopted.block_pool).clean
+            assert _lookup(adopted, 8, "x", prompt) == ([], 0, 12)
+            assert _lookup(adopted, 7, "x", prompt)[1] == 12
+        finally:
+            seg.close()
+    finally:
+        mgr.close()
+
+
+# -- through the op executor --------------------------------------------------------------
+def test_admit_waits_for_tokens_in_flight_and_a_dead_writer_ends_the_wait():
+    prompt = tokens(0, 30)                       # 7 full blocks
+    with _mgr() as mgr:
+        ex = OpExecutor(mgr)
+        writer, reader = ex.open_owner(1), ex.open_owner(2)
+        for owner, rid in ((writer, "w"), (reader, "r")):
+            assert ex.execute(owner, p.AddRequest(rid, prompt)) == p.Done()
+        # The writer admits a 16-token chunk: 4 blocks pending.
+        w = ex.execute(writer, p.Admit("w", 16))
+        assert w.num_computed_tokens == 0 and len(w.new_block_ids[0]) == 4
+        r = ex.execute(reader, p.Admit("r", 30, wait_in_flight=8))
+        assert (r.new_block_ids, r.num_computed_tokens, r.num_in_flight_tokens) == (None, 0, 16)
+        assert "r" not in mgr.table.slot_of      # waiting holds nothing
+        # The chunk is written (Advance), the next one allocated: the reader
+        # hits the first and waits for the second.
+        ex.execute(writer, p.Batch([p.Advance("w", 16), p.AllocateSlots("w", 14)]))
+        r = ex.execute(reader, p.Admit("r", 30, wait_in_flight=8))
+        assert (r.new_block_ids, r.num_computed_tokens, r.num_in_flight_tokens) == (None, 16, 12)
+        # Below the threshold it computes instead.
+        r = ex.execute(reader, p.GetComputedBlocks("r"))
+        assert (r.num_computed_tokens, r.num_in_flight_tokens) == (16, 12)
+        # The writer dies: its pending blocks are uncached, the wait is over.
+        ex.close_owner(writer)
+        r = ex.execute(reader, p.Admit("r", 30, wait_in_flight=8))
+        assert r.num_computed_tokens == 16 and r.num_in_flight_tokens == 0
+        assert len(r.new_block_ids[0]) == 4
+        assert check_segment(mgr.segment, mgr.block_pool).clean
+        bad = ex.execute(reader, p.Admit("r", 30, wait_in_flight=-1))
+        assert bad.__class__ is p.Error and "wait_in_flight" in bad.message
+
+
+# -- processes: a SIGKILLed writer, a coordinator restart ---------------------------------
+WRITER = textwrap.dedent("""
+    import asyncio, sys
+    from kvshm.service.client import connect
+
+    async def main(sock, algo, seed):
+        c = await connect(sock, hash_algorithm=algo, hash_seed=seed)
+        await c.add_request("w", list(range(1000, 1014)))
+        await c.allocate_slots("w", 14)          # cached, pending: never marked ready
+        print("allocated", flush=True)
+        await asyncio.sleep(3600)
+
+    asyncio.run(main(sys.argv[1], sys.argv[2], sys.argv[3]))
+""")
+
+
+def _check(name: str):
+    seg = PoolSegment.attach(name)
+    try:
+        return check_segment(seg)
+    finally:
+        seg.close()
+
+
+async def test_a_writer_sigkilled_before_marking_ready_is_never_hit(pool_name, tmp_path):
+    prompt = tokens(1000, 1014)
+    with CoordinatorProcess(CFG, name=pool_name) as proc:
+        script = tmp_path / "writer.py"
+        script.write_text(WRITER)
+        w = subprocess.Popen([sys.executable, str(script), str(proc.socket),
+                              CFG.hash_algorithm, str(CFG.hash_seed)],
+                             stdout=subprocess.PIPE, text=True)
+        try:
+            assert w.stdout.readline().strip() == "allocated"
+            c = await connect(proc.socket, hash_algorithm=CFG.hash_algorithm,
+                              hash_seed=CFG.hash_seed)
+            await c.add_request("r", prompt)
+            r = await c.call(p.GetComputedBlocks("r"))
+            assert (r.num_computed_tokens, r.num_in_flight_tokens) == (0, 12)
+            os.kill(w.pid, signal.SIGKILL)
+            w.wait(10)
+
+            for _ in range(400):                     # the coordinator sees the session end
+                r = await c.call(p.GetComputedBlocks("r"))
+                if not r.num_in_flight_tokens:
+                    break
+                await asyncio.sleep(0.01)
+            assert (r.num_computed_tokens, r.num_in_flight_tokens) == (0, 0)
+            stats = await c.stats()
+            assert stats.num_cached_blocks == 0 and stats.num_free_blocks == 63   # all back
+            await c.close()
+        finally:
+            w.kill()
+            w.wait(10)
+            w.stdout.close()
+        await asyncio.sleep(0.1)
+        rep = _check(pool_name)
+        assert rep.clean and rep.num_requests == 0
+
+
+async def test_pending_blocks_survive_a_coordinator_restart(pool_name):
+    prompt = tokens(0, 14)
+    with CoordinatorProcess(CFG, name=pool_name) as proc:
+        writer = await connect(proc.socket, hash_algorithm=CFG.hash_algorithm,
+                               hash_seed=CFG.hash_seed, reconnect=FAST)
+        reader = await connect(proc.socket, hash_algorithm=CFG.hash_algorithm,
+                               hash_seed=CFG.hash_seed, reconnect=FAST)
+        await writer.add_request("w", prompt)
+        await writer.allocate_slots("w", 14)
+        proc.kill()
+        proc.restart()
+        await reader.add_request("r", prompt)
+        r = await reader.call(p.GetComputedBlocks("r"))
+        assert (r.num_computed_tokens, r.num_in_flight_tokens) == (0, 12)
+        assert _check(pool_name).clean
+        await writer.advance("w", 14, [5])       # resumed: its K/V are written
+        r = await reader.call(p.GetComputedBlocks("r"))
+        assert (r.num_computed_tokens, r.num_in_flight_tokens) == (12, 0)
+        await writer.close()
+        await reader.close()
+        await asyncio.sleep(0.1)
+        assert _check(pool_name).clean
