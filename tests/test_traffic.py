@@ -3,6 +3,7 @@ lengths), JSONL traces with their errors, and splitting a stream among workers."
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import itertools
 import json
@@ -14,7 +15,20 @@ from pathlib import Path
 
 import pytest
 
-from kvshm.workers.traffic import Item, SyntheticSpec, assign, load_jsonl, synthetic, tokenize
+from kvshm.workers.traffic import (
+    Item,
+    RagSpec,
+    SyntheticSpec,
+    assign,
+    distinct_tokens,
+    load_jsonl,
+    rag,
+    synthetic,
+    tokenize,
+    write_jsonl,
+)
+
+DATA = Path(__file__).parent / "data"
 
 N = 2000
 
@@ -363,3 +377,47 @@ def test_fit_scales_lengths_to_a_short_model():
         SyntheticSpec().system_len, SyntheticSpec().user_len, SyntheticSpec().output_len, 8192)
     with pytest.raises(ValueError, match="max_len 10 is too short"):
         SyntheticSpec().fit(10)
+
+
+# -- RAG and unique workloads ---------------------------------------------------------------------
+def test_rag_requests_share_their_document_in_a_row():
+    items = list(rag(RagSpec(num_docs=3, questions=4, doc_len=(50, 60), question_len=(5, 9))))
+    assert [it.rid for it in items[:5]] == ["d0-q0", "d0-q1", "d0-q2", "d0-q3", "d1-q0"]
+    for d in range(3):
+        group = items[4 * d:4 * d + 4]
+        doc_len = len(os.path.commonprefix([it.prompt for it in group]))
+        assert 50 <= doc_len and all(5 <= len(it.prompt) - doc_len <= 9 + 1 for it in group)
+    assert items == list(rag(RagSpec(num_docs=3, questions=4, doc_len=(50, 60),
+                                     question_len=(5, 9))))       # deterministic
+    assert all(len(it.output) == 16 and it.turn == 0 for it in items)
+
+
+def test_unique_prompts_share_nothing_and_distinct_tokens_counts_the_trie():
+    spec = RagSpec(num_docs=2, questions=3, doc_len=(40, 40), question_len=(4, 4), output_len=3)
+    unique = list(rag(dataclasses.replace(spec, shared=False)))
+    assert distinct_tokens(unique) == sum(len(it.prompt) + 2 for it in unique)
+    shared = list(rag(spec))
+    # Per document: its 40 tokens once, then each question's 4 and 2 output tokens.
+    assert distinct_tokens(shared) == 2 * (40 + 3 * (4 + 2))
+    a = Item("a", (1, 2, 3), (9,), "a", 0)
+    assert distinct_tokens([a, Item("b", (1, 2, 4), (8, 7), "b", 0)]) == 3 + 2
+
+
+def test_the_rag_and_unique_files_in_the_tests_data_are_the_generators():
+    """tests/data/workloads/*.jsonl: `write_jsonl(rag(RagSpec(...)))`,
+    read back as the same items."""
+    for name, spec in (("rag", RagSpec()), ("unique", RagSpec(shared=False))):
+        assert load_jsonl(DATA / "workloads" / f"{name}.jsonl") == list(rag(spec)), name
+
+
+def test_bad_rag_specs_are_refused():
+    for bad in (dict(num_docs=0), dict(questions=True), dict(doc_len=(5, 4)),
+                dict(question_len=(0, 3)), dict(output_len=-1), dict(vocab=0)):
+        with pytest.raises(ValueError):
+            rag(RagSpec(**bad))
+
+
+def test_write_jsonl_round_trips(tmp_path):
+    items = list(rag(RagSpec(num_docs=1, questions=2, doc_len=(5, 5), question_len=(2, 2))))
+    assert write_jsonl(items, tmp_path / "w.jsonl") == 2
+    assert load_jsonl(tmp_path / "w.jsonl") == items

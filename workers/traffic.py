@@ -406,3 +406,95 @@ def _assign(items: Iterable[Item], worker: int, num_workers: int,
         latest[it.conversation] = (key, it.turn, w)
         if w == worker:
             yield dataclasses.replace(it, key=key, after=after)
+
+
+@dataclass(frozen=True)
+class RagSpec:
+    """Shape of a retrieval-augmented workload (lengths in tokens, uniform):
+    `num_docs` documents, each asked `questions` questions in a row, every
+    prompt a document followed by its question.  Consecutive requests share
+    a document, so split round robin they reach every worker together: the
+    case where engines with their own caches compute a document each, and
+    one pool can compute it once.  `shared=False` gives every prompt a
+    document of its own (the same lengths, nothing to share)."""
+
+    seed: int = 0
+    vocab: int = 32000
+    num_docs: int = 6
+    questions: int = 6
+    doc_len: tuple[int, int] = (800, 1500)
+    question_len: tuple[int, int] = (16, 64)
+    output_len: int = 16
+    shared: bool = True
+
+    def validate(self) -> RagSpec:
+        for name in ("num_docs", "questions", "output_len"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < (0 if name == "output_len"
+                                                                     else 1):
+                raise ValueError(f"{name} must be an int >= {int(name != 'output_len')}, "
+                                 f"got {v!r}")
+        for name in ("doc_len", "question_len"):
+            lo, hi = getattr(self, name)
+            if not 1 <= lo <= hi:
+                raise ValueError(f"{name} must be (lo, hi) with 1 <= lo <= hi, got {(lo, hi)}")
+        if self.vocab < 1:
+            raise ValueError(f"vocab must be >= 1, got {self.vocab}")
+        return self
+
+    @property
+    def max_item_len(self) -> int:
+        return self.doc_len[1] + self.question_len[1] + self.output_len
+
+
+def rag(spec: RagSpec = RagSpec()) -> Iterator[Item]:
+    """The `num_docs * questions` requests of `spec`, document by document,
+    ids "d<doc>-q<question>" (each its own conversation); deterministic.
+    Raises ValueError for an invalid spec (at this call)."""
+    spec.validate()
+    return _rag(spec)
+
+
+def _rag(spec: RagSpec) -> Iterator[Item]:
+    rng = random.Random(spec.seed)
+    vocab = range(spec.vocab)
+    doc: tuple[int, ...] = ()
+    for d in range(spec.num_docs):
+        for q in range(spec.questions):
+            if q == 0 or not spec.shared:
+                doc = tuple(rng.choices(vocab, k=rng.randint(*spec.doc_len)))
+            question = tuple(rng.choices(vocab, k=rng.randint(*spec.question_len)))
+            out = tuple(rng.choices(vocab, k=spec.output_len))
+            rid = f"d{d}-q{q}"
+            yield Item(rid, doc + question, out, rid, 0)
+
+
+def write_jsonl(items: Iterable[Item], path: str | Path) -> int:
+    """Write `items` as a workload file `load_jsonl` reads back as the same
+    items (prompt and output ids, id, conversation); returns how many."""
+    n = 0
+    with open(path, "w", encoding="utf-8") as f:
+        for it in items:
+            f.write(json.dumps({"id": it.rid, "prompt_ids": list(it.prompt),
+                                "output_ids": list(it.output),
+                                "conversation": it.conversation}, separators=(",", ":")))
+            f.write("\n")
+            n += 1
+    return n
+
+
+def distinct_tokens(items: Iterable[Item]) -> int:
+    """Tokens whose K/V a perfect prefix cache computes once for `items`:
+    the positions of distinct prefixes of every prompt + output (but the
+    last output token, which is sampled, never computed)."""
+    root: dict = {}
+    n = 0
+    for it in items:
+        node = root
+        for t in it.prompt + it.output[:-1]:
+            nxt = node.get(t)
+            if nxt is None:
+                nxt = node[t] = {}
+                n += 1
+            node = nxt
+    return n
