@@ -251,7 +251,9 @@ class PoolBinding:
                                 f"{kv_cache_config.num_blocks}")
             if problems:
                 raise PoolRefused(_refusal(self.target, problems))
-            backend = RemoteBackend(client)
+            backend = RemoteBackend(
+                client, wait_in_flight=int(os.environ.get("KVSHM_WAIT_IN_FLIGHT", "128")),
+                in_flight_deadline=float(os.environ.get("KVSHM_IN_FLIGHT_DEADLINE", "2")))
             self.backend_hasher = client.make_hasher()
         self.backend = backend
         atexit.register(self.close)

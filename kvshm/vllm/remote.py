@@ -9,12 +9,21 @@ vLLM's own manager, so this engine hits them in the same step; the pool
 keeps them pending (invisible to other engines) until this engine says
 their K/V are in the arena: `step_computed` queues that word for the
 request, and the next frame this engine sends carries it (no round trip of
-its own).  Runs inside vLLM processes only (no vLLM import here, though).
+its own).
+
+A waiting request whose lookup stops where another engine is writing at
+least `wait_in_flight` more of its tokens waits for them, up to
+`in_flight_deadline` seconds: its allocation answers None, which vLLM's
+scheduler takes as a full pool (the request stays first in line and is
+looked up again next step; the waiting requests behind it wait too, as
+they would for free blocks).  Runs inside vLLM processes only (no vLLM
+import here, though).
 """
 
 from __future__ import annotations
 
 import logging
+import time
 
 from kvshm.core.errors import StaleHits
 from kvshm.core.hashing import HASH_SLOT_BYTES
@@ -46,8 +55,16 @@ class _Sent:
 class RemoteBackend:
     """A vLLM engine's session with a coordinator (see the module doc)."""
 
-    def __init__(self, client: SyncClient) -> None:
+    def __init__(self, client: SyncClient, *, wait_in_flight: int = 128,
+                 in_flight_deadline: float = 2.0) -> None:
         self.client = client
+        self.wait_in_flight = wait_in_flight
+        self.in_flight_deadline = in_flight_deadline
+        # Per waiting request: the tokens in flight its last lookup saw, and
+        # until when it may wait for them.
+        self._in_flight: dict[str, int] = {}
+        self._wait_until: dict[str, float] = {}
+        self.in_flight_waits = 0     # requests that waited for tokens in flight
         self.config: PoolConfig = client.config
         self.num_blocks = self.config.num_blocks
         self.segment = PoolSegment.attach(client.pool_segment)
@@ -106,13 +123,38 @@ class RemoteBackend:
 
     # -- the manager's calls ---------------------------------------------------------------
     def get_computed_blocks(self, request) -> tuple[list[list[int]], int]:
-        r = self._run(self._sync(request) + [p.GetComputedBlocks(request.request_id)])
+        rid = request.request_id
+        r = self._run(self._sync(request) + [p.GetComputedBlocks(rid)])
+        if r.num_in_flight_tokens:
+            self._in_flight[rid] = r.num_in_flight_tokens
+        else:
+            self._in_flight.pop(rid, None)
         return r.block_ids, r.num_computed_tokens
+
+    def _waits(self, rid: str) -> bool:
+        """Whether the waiting request `rid` waits for its tokens in flight
+        (until its deadline) instead of being allocated now."""
+        n = self._in_flight.pop(rid, 0)
+        if not 0 < self.wait_in_flight <= n:
+            self._wait_until.pop(rid, None)
+            return False
+        now = time.monotonic()
+        until = self._wait_until.get(rid)
+        if until is None:
+            self._wait_until[rid] = now + self.in_flight_deadline
+            self.in_flight_waits += 1
+            return True
+        if now < until:
+            return True
+        del self._wait_until[rid]
+        return False
 
     def allocate_slots(self, request, num_new_tokens, num_new_computed_tokens, hits,
                        num_lookahead_tokens, num_external_computed_tokens,
                        delay_cache_blocks, num_encoder_tokens) -> list[list[int]] | None:
         rid = request.request_id
+        if self._in_flight and self._waits(rid):     # (only lookups set _in_flight)
+            return None
         ops = self._sync(request) + [p.AllocateSlots(
             rid, num_new_tokens, num_new_computed_tokens, hits is not None,
             num_lookahead_tokens, num_external_computed_tokens, delay_cache_blocks,
@@ -157,6 +199,8 @@ class RemoteBackend:
     def free(self, request) -> None:
         rid = request.request_id
         self._step_start.pop(rid, None)
+        self._in_flight.pop(rid, None)
+        self._wait_until.pop(rid, None)
         if self._mirror is not None:
             self._mirror.pop(rid, None)
         if rid not in self._sent:
