@@ -157,7 +157,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--engines", type=int, default=2)
     ap.add_argument("--model", choices=("tiny", "small"), default="small",
-                    help="the Llama config to write (dummy weights)")
+                    help="the Llama to write (config and seeded weights)")
     ap.add_argument("--conversations", type=int, default=16)
     ap.add_argument("--turns", type=int, default=4, help="one wave (generate() call) each")
     ap.add_argument("--system-prompts", type=int, default=4)

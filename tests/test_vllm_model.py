@@ -1,5 +1,6 @@
-"""Pools for vLLM engines, without vLLM: model directories, the "layers"
-arena layout, vLLM-hashed pool configs and `kvshm serve --vllm-model`."""
+"""Pools for vLLM engines, without vLLM: model directories and their seeded
+weights, the "layers" arena layout, vLLM-hashed pool configs and `kvshm
+serve --vllm-model`."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import json
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from kvshm.arena import ArenaLayout
@@ -19,6 +21,7 @@ from kvshm.vllm.model import (
     read_model,
     write_tiny_model,
 )
+from kvshm.vllm.weights import WEIGHTS_FILE, read_safetensors_header, to_bfloat16_bits
 from kvshm.workers.engine import UnsupportedModel, check_supported
 
 
@@ -35,6 +38,45 @@ def test_the_tiny_model_as_vllm_sees_it(tmp_path):
     assert m.max_model_len == 4096 and m.sliding_window is None
     assert read_model(write_tiny_model(tmp_path / "s", "small")).num_layers == \
         SMALL_LLAMA["num_hidden_layers"]
+
+
+def test_the_tiny_model_s_weights_are_the_tensors_vllm_s_llama_loads(tmp_path):
+    d = write_tiny_model(tmp_path / "t")
+    path = d / WEIGHTS_FILE
+    header = read_safetensors_header(path)
+    per_layer = ["input_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                 "self_attn.o_proj", "post_attention_layernorm", "mlp.gate_proj",
+                 "mlp.up_proj", "mlp.down_proj"]
+    assert set(header) == {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight",
+                           *(f"model.layers.{i}.{t}.weight" for i in range(2) for t in per_layer)}
+    assert {h["dtype"] for h in header.values()} == {"BF16"}
+    assert header["model.layers.1.self_attn.k_proj.weight"]["shape"] == [2 * 64, 256]
+    assert header["lm_head.weight"]["shape"] == [1000, 256]
+    spans = sorted(tuple(h["data_offsets"]) for h in header.values())
+    assert spans[0][0] == 0 and all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+    raw = path.read_bytes()
+    start = 8 + int.from_bytes(raw[:8], "little")
+    assert start % 8 == 0 and len(raw) == start + spans[-1][1]
+
+    def tensor(name):
+        a, b = header[name]["data_offsets"]
+        bits = np.frombuffer(raw[start + a:start + b], np.uint16).astype(np.uint32) << 16
+        return bits.view(np.float32).reshape(header[name]["shape"])
+
+    assert (tensor("model.norm.weight") == 1).all()
+    # q/k far above the 1/sqrt(fan_in) of an initialization: attention is peaked.
+    assert tensor("model.layers.0.self_attn.q_proj.weight").std() == pytest.approx(
+        1.6 / 16, rel=0.02)
+    # The seed, and only the seed, decides the bytes.
+    assert (write_tiny_model(tmp_path / "again") / WEIGHTS_FILE).read_bytes() == raw
+    assert (write_tiny_model(tmp_path / "other", seed=1) / WEIGHTS_FILE).read_bytes() != raw
+
+
+def test_bfloat16_bits_round_to_nearest_even():
+    import ml_dtypes
+    x = np.random.default_rng(3).standard_normal(10_000).astype(np.float32)
+    x[:4] = [1 + 2**-8, 1 + 3 * 2**-8, -0.0, 3.0e38]     # ties to even, a zero, a large one
+    assert (to_bfloat16_bits(x) == x.astype(ml_dtypes.bfloat16).view(np.uint16)).all()
 
 
 def test_dtype_auto_and_defaults(tmp_path):

@@ -9,9 +9,9 @@ WORKLOAD.json: {"phases": [[{"id": "a", "prompt_ids": [...], "max_tokens": 8},
 (`--pause-file F`: before each phase after the first, wait until F exists).
 The engine runs in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0) with greedy
 sampling; with KVSHM_POOL set the kvshm plugin gives it its KV-cache
-manager.  Weights are vLLM's dummy ones re-drawn from `--weight-seed` at a
-scale that makes greedy output depend on the whole context, so a wrong K/V
-block changes what is generated.
+manager.  MODEL_DIR holds safetensors weights (`python -m kvshm.vllm.model
+DIR` writes seeded ones whose greedy output depends on the whole context,
+so a wrong K/V block changes what is generated).
 """
 
 from __future__ import annotations
@@ -43,26 +43,9 @@ def shared_prefix_workload(seed: int = 3, num_requests: int = 14, *, vocab: int 
     return {"phases": [reqs[i:i + step] for i in range(0, len(reqs), step)]}
 
 
-def reinit_weights(model, seed: int, scale: float) -> int:
-    """Redraw every weight uniformly in [-scale, scale] from `seed` (norm
-    weights become 1); returns the number of tensors drawn."""
-    import torch
-    gen = torch.Generator().manual_seed(seed)
-    n = 0
-    with torch.no_grad():
-        for name, p in sorted(model.named_parameters()):
-            if "norm" in name:
-                p.fill_(1.0)
-            else:
-                draw = torch.rand(p.shape, generator=gen, dtype=torch.float32)
-                p.copy_((draw * 2 - 1) * scale)
-            n += 1
-    return n
-
-
 def build_llm(args):
     from vllm import LLM
-    kw = dict(model=args.model, load_format="dummy", skip_tokenizer_init=True,
+    kw = dict(model=args.model, load_format="safetensors", skip_tokenizer_init=True,
               enforce_eager=True, enable_prefix_caching=True, block_size=args.block_size,
               max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, seed=0,
@@ -73,9 +56,7 @@ def build_llm(args):
         from vllm.config import KVEventsConfig
         kw["kv_events_config"] = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",
                                                 endpoint=args.kv_events)
-    llm = LLM(**kw)
-    llm.apply_model(lambda m: reinit_weights(m, args.weight_seed, args.weight_scale))
-    return llm
+    return LLM(**kw)
 
 
 def counters(llm) -> dict[str, float]:
@@ -155,8 +136,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-blocks", type=int, default=0,
                     help="vLLM's num_gpu_blocks_override (a kvshm pool's own count wins)")
     ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--weight-seed", type=int, default=0)
-    ap.add_argument("--weight-scale", type=float, default=0.08)
     ap.add_argument("--pause-file", help="wait for this file before each later phase")
     ap.add_argument("--ready-file", help="touch this file once the engine is built")
     ap.add_argument("--go-file", help="then wait for this file before the first phase")

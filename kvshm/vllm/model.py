@@ -1,8 +1,9 @@
 """vLLM model directories as kvshm sees them: the KV-cache shape a model's
 `config.json` gives (what `kvshm serve --vllm-model` sizes a pool and its
-arena from), and a tiny Llama that needs no download (`load_format="dummy"`).
+arena from), and tiny Llamas that need no download (a config.json and
+seeded weights, kvshm/vllm/weights.py).
 
-Pure: reads JSON, imports nothing of vLLM.
+Pure: reads JSON and writes files with numpy, imports nothing of vLLM.
 """
 
 from __future__ import annotations
@@ -14,9 +15,10 @@ from pathlib import Path
 from kvshm.config import blocks_for_memory
 from kvshm.core.errors import ConfigError
 from kvshm.core.specs import KV_DTYPES, FullSpec, KVShape, PoolConfig, SlidingWindowSpec
+from kvshm.vllm.weights import write_llama_weights
 
-# A 2-layer Llama small enough for tests and demos: vLLM builds it from this
-# config alone with load_format="dummy".
+# A 2-layer Llama small enough for tests and demos (3.4 MB of bfloat16
+# weights).
 TINY_LLAMA = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama",
     "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
@@ -119,12 +121,14 @@ SMALL_LLAMA = {**TINY_LLAMA, "hidden_size": 512, "intermediate_size": 1536,
 MODELS = {"tiny": TINY_LLAMA, "small": SMALL_LLAMA}
 
 
-def write_tiny_model(directory: str | Path, size: str = "tiny") -> Path:
-    """Write the config.json of the `size` ("tiny" or "small") Llama into
-    `directory` (created)."""
+def write_tiny_model(directory: str | Path, size: str = "tiny", seed: int = 0) -> Path:
+    """Write the `size` ("tiny" or "small") Llama into `directory`
+    (created): its config.json and its weights drawn from `seed`
+    (model.safetensors), which vLLM loads with its default load_format."""
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     (d / "config.json").write_text(json.dumps(MODELS[size], indent=1) + "\n")
+    write_llama_weights(d, MODELS[size], seed)
     return d
 
 
@@ -132,11 +136,12 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
     ap = argparse.ArgumentParser(prog="python -m kvshm.vllm.model",
                                  description="write a tiny Llama model directory "
-                                 "(config only: load it with load_format='dummy')")
+                                 "(config.json and seeded weights, model.safetensors)")
     ap.add_argument("directory")
     ap.add_argument("--size", choices=sorted(MODELS), default="tiny")
+    ap.add_argument("--seed", type=int, default=0, help="the weights' seed")
     args = ap.parse_args(argv)
-    print(write_tiny_model(args.directory, args.size))
+    print(write_tiny_model(args.directory, args.size, args.seed))
     return 0
 
 
