@@ -84,11 +84,11 @@ PRESETS: dict[str, Preset] = {
     "small": Preset(
         "Llama-3-8B's cost profile at CPU-worker scale, the default of `kvshm run`: "
         "2 full-attention layers, 4 query heads per KV head (1 KV head x 64), "
-        "hidden 1,024, MLP 3,584 (3.5 x hidden), fp32: 23M parameters over 256 "
-        "K/V values a token, 0.75 x Llama-3-8B's 122k parameters per K/V value, "
+        "hidden 1,280, MLP 4,480 (3.5 x hidden), fp32: 36M parameters over 256 "
+        "K/V values a token, 1.15 x Llama-3-8B's 122k parameters per K/V value, "
         "so a prefill costs what it would next to decode attention",
         (FullSpec(16),), _kv(2, 1, 64, "float32"), 8192,
-        decoder=DecoderShape(query_per_kv=4, hidden_size=1024, intermediate_size=3584)),
+        decoder=DecoderShape(query_per_kv=4, hidden_size=1280, intermediate_size=4480)),
     "tiny": Preset(
         "small Llama-shaped model for fast CPU worker runs and tests: 4 full-attention "
         "layers, 4 KV heads x 32, fp32 (numpy attention reads it without a cast); "
