@@ -10,7 +10,8 @@ PoolConfig checks itself when built).  `pool_bytes` is what a pool takes in
 
 Each preset gives the KV-cache groups and the model's KV shape (layers per
 group, KV heads, head size, dtype), so that a memory budget becomes a block
-count and the coordinator can size the KV data arena.
+count and the coordinator can size the KV data arena; a preset made for the
+CPU workers' transformer also gives the rest of its decoder (`DecoderShape`).
 """
 
 from __future__ import annotations
@@ -41,6 +42,18 @@ from kvshm.core.specs import (
 DEFAULT_KV_MEMORY = "2G"   # every preset holds a full-length request in it
 
 
+class DecoderShape(msgspec.Struct, frozen=True, kw_only=True):
+    """What the CPU workers' transformer (workers/transformer.py) needs
+    beyond the pool's KV shape: query heads per KV head, the hidden size and
+    the MLP's intermediate size.  None of them: the transformer derives its
+    own from the KV shape (2 query heads per KV head, hidden = query heads x
+    head size, MLP = 3 x hidden)."""
+
+    query_per_kv: int = 2
+    hidden_size: int | None = None
+    intermediate_size: int | None = None
+
+
 @dataclass(frozen=True)
 class Preset:
     description: str
@@ -48,6 +61,7 @@ class Preset:
     kv: KVShape
     max_model_len: int
     enable_caching: bool = True
+    decoder: DecoderShape | None = None   # for the CPU workers' transformer
 
     def config(self, num_blocks: int, **overrides) -> PoolConfig:
         fields = dict(num_blocks=num_blocks, hash_block_size=16,
@@ -67,9 +81,18 @@ def _kv(layers: int, kv_heads: int, head_size: int, dtype: str) -> KVShape:
 
 
 PRESETS: dict[str, Preset] = {
+    "small": Preset(
+        "Llama-3-8B's cost profile at CPU-worker scale, the default of `kvshm run`: "
+        "2 full-attention layers, 4 query heads per KV head (1 KV head x 64), "
+        "hidden 1,280, MLP 4,480 (3.5 x hidden), fp32: 36M parameters over 256 "
+        "K/V values a token, 1.15 x Llama-3-8B's 122k parameters per K/V value, "
+        "so a prefill costs what it would next to decode attention",
+        (FullSpec(16),), _kv(2, 1, 64, "float32"), 8192,
+        decoder=DecoderShape(query_per_kv=4, hidden_size=1280, intermediate_size=4480)),
     "tiny": Preset(
-        "small Llama-shaped model for the CPU workers of `kvshm run`: 4 full-attention "
-        "layers, 4 KV heads x 32, fp32 (numpy attention reads it without a cast)",
+        "small Llama-shaped model for fast CPU worker runs and tests: 4 full-attention "
+        "layers, 4 KV heads x 32, fp32 (numpy attention reads it without a cast); "
+        "reads about 40x more K/V per parameter than Llama-3-8B",
         (FullSpec(16),), _kv(4, 4, 32, "float32"), 4096),
     "tiny-hybrid": Preset(
         "small hybrid for the CPU workers: full attention + 256-token sliding window, "

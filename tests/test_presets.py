@@ -215,3 +215,19 @@ def test_pool_bytes_is_what_the_pool_and_its_arena_take(pool_name):
     plain = config.replace(kv=None)
     with KVCacheManager(plain, name=pool_name) as mgr:
         assert pool_bytes(plain) == os.path.getsize(f"/dev/shm/{mgr.segment.name}") < taken
+
+
+def test_the_default_preset_of_kvshm_run_has_llama_3_8b_s_cost_profile():
+    """Parameters per K/V value within 2x of Llama-3-8B's (8.0B / 65,536), as
+    the transformer counts them; `tiny` stays the fast one."""
+    from kvshm.workers.run import DEFAULT_PRESET
+    from kvshm.workers.transformer import TransformerModel, decoder_profile
+    preset = PRESETS[DEFAULT_PRESET]
+    prof = decoder_profile(preset.kv, preset.decoder)
+    assert 0.5 <= prof["vs_llama3_8b"] <= 2.0, prof
+    assert prof["kv_bytes_per_token"] == 2 * 2 * 1 * 64 * 4
+    kv = preset.kv
+    model = TransformerModel(num_layers=kv.num_layers, num_kv_heads=kv.num_kv_heads,
+                             head_size=kv.head_size, dtype="float32", shape=preset.decoder)
+    assert model.parameters == prof["parameters"]
+    assert decoder_profile(PRESETS["tiny"].kv, PRESETS["tiny"].decoder)["vs_llama3_8b"] < 0.1

@@ -25,9 +25,9 @@ from kvshm.service.process import CoordinatorProcess
 RUN = [sys.executable, "-m", "kvshm", "run"]
 # The shared run's length: a few seconds in CI; KVSHM_RUN_SECONDS=300 (with
 # KVSHM_RUN_WORKERS=4) makes it a soak test of the same assertions.
-RUN_SECONDS = os.environ.get("KVSHM_RUN_SECONDS", "3")
+RUN_SECONDS = os.environ.get("KVSHM_RUN_SECONDS", "5")
 RUN_WORKERS = os.environ.get("KVSHM_RUN_WORKERS", "2")
-LIGHT = ["--kv-memory", "64M", "--quiet"]     # 1,024 blocks of the tiny preset
+LIGHT = ["--preset", "tiny", "--kv-memory", "64M", "--quiet"]     # 1,024 blocks
 TIMEOUT = 120
 
 
@@ -80,10 +80,10 @@ def test_a_fixed_number_of_requests_is_served_to_the_end(tmp_path):
 def test_shared_run(tmp_path):
     before = kvshm_segments()
     out = tmp_path / "out.json"
-    # (--verify-hits 1: every hit request is checked; the default samples 2%,
-    # and a loaded CI machine may finish only a few requests in 3 s.)
+    # (--check-blocks 1000: every full prompt block of every request is
+    # checked; a loaded CI machine may finish only a few requests in 3 s.)
     proc = run("--workers", RUN_WORKERS, "--duration", RUN_SECONDS, "--grace", "2",
-               "--verify-hits", "1", "--json", str(out), *LIGHT,
+               "--check-blocks", "1000", "--json", str(out), *LIGHT,
                timeout=TIMEOUT + float(RUN_SECONDS))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     for line in ("prefix cache", "integrity", "pool after run"):
@@ -120,7 +120,7 @@ def test_shared_run(tmp_path):
 def test_a_killed_worker_gives_every_block_back(tmp_path):
     before = kvshm_segments()
     out = tmp_path / "out.json"
-    proc = run("--kill-worker", "1", "--kill-after", "1.5", "--duration", "4", "--grace", "2",
+    proc = run("--kill-worker", "1", "--kill-after", "1.5", "--duration", "6", "--grace", "2",
                "--json", str(out), *LIGHT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     [res] = results(out)
@@ -165,7 +165,7 @@ def test_a_run_that_finishes_nothing_is_failed():
 def test_compare_shared_and_isolated(tmp_path):
     before = kvshm_segments()
     out = tmp_path / "out.json"
-    proc = run("--compare", "--duration", "2", "--grace", "1", "--json", str(out), *LIGHT)
+    proc = run("--compare", "--duration", "4", "--grace", "2", "--json", str(out), *LIGHT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "shared vs isolated" in proc.stdout
     shared, isolated = results(out)
@@ -231,7 +231,7 @@ def test_jsonl_workload(tmp_path):
     # One request at a time per worker: the later lines hit the earlier ones'
     # prefixes (the finite-workload bug of test_workers does not bite either).
     proc = run("--workload", str(path), "--max-running", "1", "--duration", "20",
-               "--grace", "2", "--verify-hits", "1", "--json", str(out), *LIGHT)
+               "--grace", "2", "--check-blocks", "1000", "--json", str(out), *LIGHT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     [res] = results(out)
     assert res["requests"] == len(lines)
@@ -246,7 +246,7 @@ def test_connect_to_a_running_coordinator(tmp_path):
     before = kvshm_segments()
     out = tmp_path / "out.json"
     with CoordinatorProcess(preset_config("tiny", num_blocks=2048)) as coord:
-        proc = run("--connect", str(coord.socket), "--duration", "2", "--grace", "1",
+        proc = run("--connect", str(coord.socket), "--duration", "4", "--grace", "2",
                    "--quiet", "--json", str(out))
         assert proc.returncode == 0, proc.stdout + proc.stderr
         assert coord.proc.poll() is None        # a joined coordinator is left running
@@ -314,7 +314,10 @@ NO_KV_CONFIG = ('num_blocks = 64\nhash_block_size = 16\nmax_model_len = 4096\n'
 @pytest.mark.parametrize("args,message", [
     (["--workers", "0"], r"--workers must be at least 1"),
     (["--workers", "2", "--kill-worker", "5"], r"--kill-worker must be .* in \[0, 2\)"),
-    (["--verify-hits", "2"], r"--verify-hits must be within \[0, 1\]"),
+    (["--model", "exact", "--verify-hits", "2"], r"--verify-hits must be within \[0, 1\]"),
+    (["--verify-hits", "0.5"], r"--verify-hits is a knob of --model exact; --model "
+                               r"transformer checks with --check-blocks, --check-decode"),
+    (["--check-blocks", "-1"], r"--check-blocks must not be negative"),
     (["--workload", "/nonexistent"], r"/nonexistent is not a file"),
     (["--workload", "{bad_jsonl}"], r"bad\.jsonl:2: invalid JSON"),
     (["--config", "{no_kv}"], r"no_kv\.toml has no \[kv\] shape"),
@@ -327,7 +330,8 @@ NO_KV_CONFIG = ('num_blocks = 64\nhash_block_size = 16\nmax_model_len = 4096\n'
     (["--kv-memory", "200T"], r"num_blocks: must be at most 2,147,483,646"),
     (["--num-blocks", "2000000000"], r"needs [\d,]+ bytes but /dev/shm has only"),
     (["--json", "/nonexistent/dir/out.json"], r"--json: the directory of .* does not exist"),
-], ids=["workers-0", "kill-worker", "verify-hits", "no-workload", "bad-jsonl", "no-kv",
+], ids=["workers-0", "kill-worker", "verify-hits", "verify-hits-transformer",
+        "check-blocks", "no-workload", "bad-jsonl", "no-kv",
         "connect-isolated", "connect-nobody", "mamba", "encoder-decoder", "tiny-memory",
         "requests-0", "too-many-blocks", "no-shm-space", "json-dir"])
 def test_bad_arguments_exit_2(tmp_path, sockdir, args, message):

@@ -173,7 +173,7 @@ def test_lengths_within_bounds(stream, systems):
 
 def test_lengths_have_roughly_the_intended_medians(stream, systems):
     out_median = statistics.median(len(it.output) for it in stream)
-    assert 60 <= out_median <= 105, out_median         # ~80
+    assert 24 <= out_median <= 42, out_median          # ~32
     user_median = statistics.median(user_lengths(stream, systems))
     assert 90 <= user_median <= 160, user_median       # ~120
 
@@ -201,7 +201,7 @@ def test_small_max_len_ends_conversations_early():
 
 
 @pytest.mark.parametrize("change, message", [
-    (dict(max_len=2000), "max_len 2000 is below the longest first turn, 2736 tokens"),
+    (dict(max_len=2000), "max_len 2000 is below the longest first turn, 4536 tokens"),
     (dict(share_system=1.5), r"share_system must be in \[0, 1\], got 1.5"),
     (dict(user_len=(100, 10)), r"user_len must be ints \(1 <= min <= max\), got \(100, 10\)"),
     (dict(num_system_prompts=0), "share_system=0.8 needs system prompts"),

@@ -260,16 +260,17 @@ async def test_the_transformer_shares_hits_and_catches_a_corrupted_block(
     hits = await cached_prefix_blocks(a.client, prefix + (7,), "probe-a")
     assert len(hits) == 4
 
-    b = await open_worker(coord, model="transformer", verify_hits=1.0, token_budget=7)
+    b = await open_worker(coord, model="transformer", check_blocks=1000, token_budget=7)
     await b.run([Item("b0", prefix + toks(30, seed=24), toks(3, seed=25), "b", 0)])
     assert_no_mismatch(b.stats)
     assert b.stats.hit_blocks_checked == 4 and b.stats.cross_hit_tokens == 4 * BS
+    assert b.stats.computed_blocks_checked == 1      # the 5th full block, computed in chunks
     assert b.engine.model.fingerprint() == a.engine.model.fingerprint()
 
     bad = hits[2]
     original = b.arena.kv[bad].copy()
     b.arena.kv[bad, 0, 0, 2, 1, 4] += 1.0      # one K element of layer 0, slot 2
-    c = await open_worker(coord, model="transformer", verify_hits=1.0)
+    c = await open_worker(coord, model="transformer", check_blocks=1000)
     await c.run([Item("c0", prefix + toks(9, seed=26), toks(2, seed=27), "c", 0)])
     assert c.stats.hit_mismatches == 1 and c.stats.hit_blocks_checked == 4
     assert re.search(rf"\b{bad}\b", c.stats.first_error), c.stats.first_error
@@ -286,6 +287,46 @@ async def test_the_transformer_shares_hits_and_catches_a_corrupted_block(
     assert d.stats.decode_checks == 2 and d.stats.decode_mismatches == 2
     assert "differs from attention over its contiguous K/V" in d.stats.first_error
     assert_pool_whole(coord)
+
+
+async def test_the_transformer_checks_as_many_blocks_with_hits_as_without(
+        coordinator, open_worker):
+    """--model transformer: `check_blocks` of each request's full prompt
+    blocks are checked, drawn from its id, whether they were hits or
+    computed here, so a shared and an isolated run check the same blocks;
+    a block this worker computed wrong is caught too."""
+    prefix = toks(4 * BS, seed=31)
+    item = Item("r0", prefix + toks(40, seed=32), toks(2, seed=33), "r", 0)
+    warm = await coordinator(kv_config())
+    a = await open_worker(warm, model="transformer")
+    await a.run([Item("w0", prefix + toks(5, seed=34), toks(2, seed=35), "w", 0)])
+    hit = await open_worker(warm, model="transformer", check_blocks=3)
+    await hit.run([item])
+    cold = await open_worker(await coordinator(kv_config()), model="transformer",
+                             check_blocks=3)
+    await cold.run([item])
+    assert_no_mismatch(hit.stats, cold.stats)
+    assert hit.stats.hit_tokens == 4 * BS and cold.stats.hit_tokens == 0
+    for st in (hit.stats, cold.stats):
+        assert st.hit_blocks_checked + st.computed_blocks_checked == 3
+    assert cold.stats.hit_blocks_checked == 0
+    sample = cold.engine.compute.sampled_blocks("r0", len(item.prompt) // BS)
+    assert sample == hit.engine.compute.sampled_blocks("r0", len(item.prompt) // BS)
+    assert hit.stats.hit_blocks_checked == sum(1 for i in sample if i < 4)
+
+    bad = await open_worker(await coordinator(kv_config()), model="transformer",
+                            check_blocks=1000)
+    write = bad.engine.compute.write
+
+    def write_then_corrupt(seq, start, k, v):
+        write(seq, start, k, v)
+        if start == 0:
+            bad.arena.kv[seq.tables[0][1], 1, 1, 3, 0, 5] += 1.0   # a V element, layer 1
+    bad.engine.compute.write = write_then_corrupt
+    await bad.run([Item("x0", toks(50, seed=36), toks(2, seed=37), "x", 0)])
+    assert bad.stats.computed_blocks_checked == 3 and bad.stats.computed_mismatches == 1
+    assert bad.stats.integrity_failures == 1
+    assert "this worker computed differ from a recompute" in bad.stats.first_error
 
 
 async def test_the_transformer_runs_on_one_full_attention_group_only(coordinator):

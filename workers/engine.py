@@ -39,6 +39,7 @@ from collections.abc import Iterable
 
 import msgspec
 
+from kvshm.config import DecoderShape
 from kvshm.core.specs import FullSpec, MLASpec, PoolConfig, SlidingWindowSpec
 from kvshm.service import protocol as p
 from kvshm.service.errors import ReplyLost, ResumeFailed
@@ -79,11 +80,16 @@ def check_supported(config: PoolConfig, model: str = "exact") -> None:
 class EngineOptions(msgspec.Struct, frozen=True, kw_only=True):
     token_budget: int = 512          # tokens scheduled per step
     max_running: int = 16
-    verify_hits: float = 1.0          # fraction of hit blocks whose K/V are checked
+    verify_hits: float = 1.0          # exact model: fraction of hit blocks checked
+    # transformer: full prompt blocks per request checked, hit or computed alike
+    check_blocks: int = 2
     check_decode: float = 0.02        # fraction of decode steps checked against a recompute
     seed: int = 0                     # model weights (all workers of a pool must agree)
     sample_seed: int = 0              # which blocks / steps get sampled
     model: str = "exact"              # compute.MODELS: "exact" or "transformer"
+    # The transformer's dimensions beyond the KV shape (a preset's; None:
+    # derived from the KV shape).
+    decoder: DecoderShape | None = None
     # A load generator (scripts/numa_stress.py): the scheduler's ops and the
     # arena's writer stamps, no model compute (no K/V, attention or checks).
     load_only: bool = False
@@ -111,6 +117,8 @@ class EngineStats(msgspec.Struct, kw_only=True):
     steps: int = 0
     hit_blocks_checked: int = 0
     hit_mismatches: int = 0           # hit blocks whose K/V differed (must stay 0)
+    computed_blocks_checked: int = 0  # blocks this worker computed, checked (transformer)
+    computed_mismatches: int = 0      # ... whose K/V differed from a recompute (must stay 0)
     decode_checks: int = 0
     decode_mismatches: int = 0        # paged attention != contiguous recompute
     batch_us: list[int] = []          # each step's batch round trip
@@ -134,7 +142,7 @@ class EngineStats(msgspec.Struct, kw_only=True):
 
     @property
     def integrity_failures(self) -> int:
-        return self.hit_mismatches + self.decode_mismatches
+        return self.hit_mismatches + self.computed_mismatches + self.decode_mismatches
 
     def __add__(self, other: "EngineStats") -> "EngineStats":
         summed = {}

@@ -114,6 +114,8 @@ class RunResult(msgspec.Struct, kw_only=True):
             "kv_s": t.kv_s, "attention_s": t.attention_s, "check_s": t.check_s,
             "coord_s": t.coord_s,
             "hit_blocks_checked": t.hit_blocks_checked, "hit_mismatches": t.hit_mismatches,
+            "computed_blocks_checked": t.computed_blocks_checked,
+            "computed_mismatches": t.computed_mismatches,
             "decode_checks": t.decode_checks, "decode_mismatches": t.decode_mismatches,
             "step_batch_us_p50": percentile(lat, 50), "step_batch_us_p99": percentile(lat, 99),
             "ttft_ms_p50": percentile(sorted(t.ttft_ms), 50),

@@ -13,7 +13,7 @@ import json
 import sys
 from pathlib import Path
 
-from kvshm.config import DEFAULT_KV_MEMORY, PoolSource, pool_bytes, resolve_config
+from kvshm.config import DEFAULT_KV_MEMORY, PRESETS, PoolSource, pool_bytes, resolve_config
 from kvshm.core.errors import KvshmError
 from kvshm.core.hashing import DEFAULT_HASH_ALGORITHM, DEFAULT_HASH_SEED
 from kvshm.workers.channel import WorkloadSpec
@@ -29,13 +29,16 @@ from kvshm.workers.launcher import (
 )
 from kvshm.workers.topology import describe, format_cpulist
 
-DEFAULT_PRESET = "tiny"
+DEFAULT_PRESET = "small"
 DEFAULT_MODEL = "transformer"
-# What the integrity checks cost decides their default rate: the exact
-# model's recompute is cheap, the transformer's is a prefill of the prefix
-# (its decode check is a gather of the context and one token).
+# Each model's integrity knobs and their defaults.  The exact model's
+# recompute is cheap: it checks every hit block.  The transformer's costs a
+# prefill of the checked blocks: a fixed number of each request's full
+# prompt blocks, hit or computed alike, so a shared and an isolated run
+# spend the same on checks (its decode check is a gather of the context
+# and one token).
 CHECK_DEFAULTS = {"exact": {"verify_hits": 1.0, "check_decode": 0.02},
-                  "transformer": {"verify_hits": 0.02, "check_decode": 0.02}}
+                  "transformer": {"check_blocks": 2, "check_decode": 0.02}}
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
@@ -76,10 +79,14 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                          "with a real model's cost, so hits save real time; checked within a "
                          "tolerance) or 'exact' (a toy model whose K/V are bit-exact, for "
                          "exact integrity runs)")
-    ap.add_argument("--verify-hits", type=float, default=None,
-                    help="hit checks: the fraction of hit blocks compared bit for bit "
-                         "(exact; default 1.0), or of requests whose hit blocks are all "
-                         "recomputed and compared (transformer; default 0.02)")
+    ap.add_argument("--verify-hits", type=float, default=None, metavar="F",
+                    help="--model exact: the fraction of hit blocks compared bit for bit "
+                         "with a recompute (default 1.0: every one)")
+    ap.add_argument("--check-blocks", type=int, default=None, metavar="N",
+                    help="--model transformer: full prompt blocks per request recomputed "
+                         "and compared within a tolerance, hit or computed alike, drawn "
+                         "from the request's id (the same blocks in a shared and an "
+                         "isolated run; default 2; more than a prompt has: all of them)")
     ap.add_argument("--check-decode", type=float, default=None,
                     help="fraction of decode steps checked (default 0.02): exact, against "
                          "attention over a contiguous recompute; transformer, against "
@@ -123,12 +130,21 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
         if args.connect:
             raise ValueError("--kill-coordinator-every needs kvshm run's own coordinator "
                              "(not --connect: supervise that one yourself)")
-    for name, value in CHECK_DEFAULTS[args.model].items():
+    knobs = CHECK_DEFAULTS[args.model]
+    for name in ("verify_hits", "check_blocks"):
+        if name not in knobs and getattr(args, name) is not None:
+            other = next(m for m, k in CHECK_DEFAULTS.items() if name in k)
+            raise ValueError(f"--{name.replace('_', '-')} is a knob of --model {other}; "
+                             f"--model {args.model} checks with "
+                             + ", ".join(f"--{k.replace('_', '-')}" for k in knobs))
+    for name, value in knobs.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
     for name in ("verify_hits", "check_decode"):
-        if not 0.0 <= getattr(args, name) <= 1.0:
+        if getattr(args, name) is not None and not 0.0 <= getattr(args, name) <= 1.0:
             raise ValueError(f"--{name.replace('_', '-')} must be within [0, 1]")
+    if args.check_blocks is not None and args.check_blocks < 0:
+        raise ValueError(f"--check-blocks must not be negative (got {args.check_blocks})")
     if args.token_budget < 1 or args.max_running < 1:
         raise ValueError("--token-budget and --max-running must be positive")
     config = None
@@ -165,9 +181,11 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
     if args.plot:
         from kvshm.workers.plot import require
         require()
+    checks = {k: getattr(args, k) for k in knobs}
+    preset = None if args.config or args.connect else PRESETS[args.preset or DEFAULT_PRESET]
     engine = EngineOptions(token_budget=args.token_budget, max_running=args.max_running,
-                           verify_hits=args.verify_hits, check_decode=args.check_decode,
-                           seed=args.seed, model=args.model)
+                           seed=args.seed, model=args.model,
+                           decoder=preset.decoder if preset else None, **checks)
     if config is not None:
         from kvshm.arena import resolve_dtype
         from kvshm.core.shm import check_shm_space
@@ -210,13 +228,16 @@ def run(args: argparse.Namespace) -> int:
             print(f"kvshm run: {e}", file=sys.stderr)
             return 1
         results.append(res)
-        print(summary(res), flush=True)
+        profile = model_profile(res.config, opts)
+        print(summary(res, profile), flush=True)
         if res.interrupted:
             break
     if len(results) == 2:
         print(comparison(*results), flush=True)
     if args.json:
         doc = {"runs": [r.to_dict() for r in results]}
+        if results and (profile := model_profile(results[0].config, opts)):
+            doc["model"] = profile
         if len(results) == 2:
             doc["speedup"] = speedup(*results)
         Path(args.json).write_text(json.dumps(doc, indent=2))
@@ -271,6 +292,17 @@ def _verdict(results: list[RunResult]) -> str:
     return f"OK (0 integrity mismatches, {finished}, pools whole)"
 
 
+def model_profile(config, opts: LaunchOptions) -> dict | None:
+    """The transformer's cost profile on `config`'s KV shape
+    (transformer.decoder_profile), or None for another model."""
+    if opts.engine.model != "transformer" or config is None or config.kv is None:
+        return None
+    from kvshm.arena import resolve_dtype
+    from kvshm.workers.transformer import decoder_profile
+    return decoder_profile(config.kv, opts.engine.decoder,
+                           resolve_dtype(config.kv.dtype).itemsize)
+
+
 # -- printing ---------------------------------------------------------------------------------
 def header(opts: LaunchOptions, cpu_plan) -> str:
     lines = []
@@ -294,14 +326,20 @@ def _pct(a: int, b: int) -> str:
     return f"{a / b:.1%}" if b else "-"
 
 
-def summary(res: RunResult) -> str:
+def summary(res: RunResult, profile: dict | None = None) -> str:
+    """A run's figures; `profile`: the model's (model_profile), if any."""
     t = res.totals
     lat = res.latencies
     secs = max(res.seconds, 1e-9)
     prompt, hit, cross = t.prompt_tokens, t.hit_tokens, t.cross_hit_tokens
     out = [f"== {res.mode} pool{' (interrupted)' if res.interrupted else ''}: "
-           f"{res.seconds:.1f}s, {len(res.workers)} workers, {res.config.num_blocks:,} "
-           f"blocks per pool x {len(res.pools) or 1} pool(s)",
+           f"{res.seconds:.1f}s (integrity checks {t.check_s:,.1f} CPU s of it, summed over "
+           f"workers), {len(res.workers)} workers, {res.config.num_blocks:,} "
+           f"blocks per pool x {len(res.pools) or 1} pool(s)"]
+    if profile:
+        from kvshm.workers.transformer import format_profile
+        out.append(f"  model             {format_profile(profile)}")
+    out += [
            f"  requests          {t.finished:,} finished ({t.finished / secs:,.1f}/s), "
            f"{t.aborted:,} aborted at the deadline"
            + (f", {t.rejected:,} rejected (longer than the model or the pool)"
@@ -321,8 +359,9 @@ def summary(res: RunResult) -> str:
            f"{t.attention_s:,.1f}, integrity checks {t.check_s:,.1f}; waiting for "
            f"the coordinator {t.coord_s:,.1f}s (summed over workers)",
            f"  integrity         {t.hit_blocks_checked:,} hit blocks checked: "
-           f"{t.hit_mismatches} mismatches; {t.decode_checks:,} decode attention "
-           f"checks: {t.decode_mismatches} mismatches"]
+           f"{t.hit_mismatches} mismatches; {t.computed_blocks_checked:,} computed blocks "
+           f"checked: {t.computed_mismatches} mismatches; {t.decode_checks:,} decode "
+           f"attention checks: {t.decode_mismatches} mismatches; {t.check_s:,.1f} CPU s"]
     seen = max((w.stats.coordinator_restarts for w in res.workers), default=0)
     if res.restarts or seen:
         stalls = res.stalls_ms
@@ -386,6 +425,9 @@ def comparison(shared: RunResult, isolated: RunResult) -> str:
         "== shared vs isolated (same workload, same total blocks)",
         row("", "shared", "isolated"),
         row("wall time s", f"{shared.seconds:,.1f}", f"{isolated.seconds:,.1f}"),
+        row("integrity checks CPU s", f"{shared.totals.check_s:,.1f}",
+            f"{isolated.totals.check_s:,.1f}"),
+        row("blocks checked", f"{_checked(shared):,}", f"{_checked(isolated):,}"),
         row("time to first token p50 ms", ttft(shared, 50), ttft(isolated, 50)),
         row("time to first token p99 ms", ttft(shared, 99), ttft(isolated, 99)),
         row("prefix hit rate", rate(shared), rate(isolated)),
@@ -409,7 +451,6 @@ def comparison(shared: RunResult, isolated: RunResult) -> str:
         *(row(f"worker {label}", f"{getattr(shared.totals, key):,.1f}",
               f"{getattr(isolated.totals, key):,.1f}")
           for label, key in (("CPU s: K/V", "kv_s"), ("CPU s: attention", "attention_s"),
-                             ("CPU s: checks", "check_s"),
                              ("s waiting: coordinator", "coord_s"))),
         row("integrity mismatches", str(shared.totals.integrity_failures),
             str(isolated.totals.integrity_failures)),
@@ -419,6 +460,11 @@ def comparison(shared: RunResult, isolated: RunResult) -> str:
                 f"{'higher' if diff > 0 else 'LOWER'} than isolated pools'")
     rows.append("  " + speedup_line(shared, isolated))
     return "\n".join(rows)
+
+
+def _checked(res: RunResult) -> int:
+    t = res.totals
+    return t.hit_blocks_checked + t.computed_blocks_checked
 
 
 def speedup(shared: RunResult, isolated: RunResult) -> float | None:

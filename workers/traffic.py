@@ -56,17 +56,17 @@ class SyntheticSpec:
     seed: int = 0
     vocab: int = 32000
     num_system_prompts: int = 3
-    system_len: tuple[int, int] = (400, 1200)   # uniform
+    system_len: tuple[int, int] = (1000, 3000)  # uniform
     share_system: float = 0.8                   # conversations opening with a shared prompt
     system_skew: float = 1.2                    # Zipf exponent of system prompt popularity
     user_len: tuple[int, int] = (16, 1024)
     user_median: float = 120.0
     output_len: tuple[int, int] = (8, 512)
-    output_median: float = 80.0
+    output_median: float = 32.0
     sigma: float = 0.9                          # spread of both lognormals
     mean_turns: float = 2.5
     max_turns: int = 8
-    max_len: int = 4096                         # prompt + output of every item
+    max_len: int = 8192                         # prompt + output of every item
     open_conversations: int = 8                 # interleaved at any time
 
     def fit(self, max_len: int) -> SyntheticSpec:

@@ -3,15 +3,17 @@
 Per layer: RMSNorm, Q/K/V projections, rotary positions, grouped-query
 attention over the request's K/V (for earlier tokens: the paged blocks of
 the arena, as read by the engine), output projection and a SwiGLU MLP, in
-float32 numpy with fixed seeded weights.  Dimensions come from the pool's KV
-shape: its KV heads and head size, twice as many query heads, a hidden size
-of query heads x head size and an MLP of 3 x hidden.  Prefilling n tokens
-costs about 2 x parameters x n FLOPs plus attention, as in a real model, so
-a prefix-cache hit saves what it would in a real engine.
+float32 numpy with fixed seeded weights.  The KV heads and head size come
+from the pool's KV shape, the rest from a `DecoderShape` (a preset's, e.g.
+`small`: Llama-3-8B's parameters per K/V value; by default twice as many
+query heads as KV heads, a hidden size of query heads x head size and an
+MLP of 3 x hidden).  Prefilling n tokens costs about 2 x parameters x n
+FLOPs plus attention, as in a real model, so a prefix-cache hit saves what
+it would in a real engine; `decoder_profile` gives those figures.
 
 Not bit-exact: float32 BLAS results depend on how the tokens were chunked
-(one prefill chunk or another), so K/V recomputed for a hit agree with the
-cached ones only within `TOLERANCE`, relative to the values' scale.  A
+(one prefill chunk or another), so K/V recomputed for a block agree with the
+stored ones only within `TOLERANCE`, relative to the values' scale.  A
 corrupted block is off by the values' whole magnitude and is caught.  The
 exact model (model.py) stays for bit-exact integrity runs.
 """
@@ -19,10 +21,12 @@ exact model (model.py) stays for bit-exact integrity runs.
 from __future__ import annotations
 
 import hashlib
+import random
 import time
 
 import numpy as np
 
+from kvshm.config import DecoderShape
 from kvshm.workers.attention import read_kv
 from kvshm.workers.compute import ComputeBase
 from kvshm.workers.model import nonneg_int, positive_int
@@ -33,6 +37,54 @@ from kvshm.workers.model import nonneg_int, positive_int
 TOLERANCE = 2e-2
 _ROPE_BASE = 10000.0
 _EPS = 1e-5
+# Llama-3-8B: 8.0B parameters (its embeddings included) over the 65,536 K/V
+# values a token adds to its cache (32 layers x K and V x 8 KV heads x 128).
+LLAMA3_8B_PARAMS_PER_KV = 8.0e9 / (32 * 2 * 8 * 128)
+
+
+def decoder_dims(num_kv_heads: int, head_size: int, shape: DecoderShape | None
+                 ) -> tuple[int, int, int]:
+    """(query heads, hidden size, MLP intermediate size) of a decoder with
+    this KV shape and `shape` (None: DecoderShape's defaults)."""
+    shape = shape or DecoderShape()
+    q_heads = num_kv_heads * positive_int(shape.query_per_kv, "query_per_kv")
+    hidden = (q_heads * head_size if shape.hidden_size is None
+              else positive_int(shape.hidden_size, "hidden_size"))
+    inter = (3 * hidden if shape.intermediate_size is None
+             else positive_int(shape.intermediate_size, "intermediate_size"))
+    return q_heads, hidden, inter
+
+
+def decoder_profile(kv, shape: DecoderShape | None, itemsize: int = 4) -> dict:
+    """The cost profile of the transformer on KV shape `kv` (a KVShape) with
+    `shape`: parameters (the embedding excluded), FLOPs per prefill token
+    (2 x parameters, plus attention's per token of context), K/V values
+    and bytes per token (`itemsize`: bytes of the arena's dtype), and
+    parameters per K/V value against Llama-3-8B's."""
+    L, Hkv, D = kv.num_layers, kv.num_kv_heads, kv.head_size
+    Hq, d, inter = decoder_dims(Hkv, D, shape)
+    params = L * (d * (Hq + 2 * Hkv) * D + Hq * D * d + 3 * d * inter)
+    kv_values = L * 2 * Hkv * D
+    per_kv = params / kv_values
+    return {"layers": L, "query_heads": Hq, "kv_heads": Hkv, "head_size": D,
+            "hidden_size": d, "intermediate_size": inter, "parameters": params,
+            "prefill_flops_per_token": 2 * params,
+            "attention_flops_per_context_token": 4 * L * Hq * D,
+            "kv_values_per_token": kv_values, "kv_bytes_per_token": kv_values * itemsize,
+            "parameters_per_kv_value": per_kv,
+            "vs_llama3_8b": per_kv / LLAMA3_8B_PARAMS_PER_KV}
+
+
+def format_profile(prof: dict) -> str:
+    """`decoder_profile` in one line."""
+    return (f"{prof['parameters'] / 1e6:,.1f}M parameters ({prof['layers']} layers, "
+            f"hidden {prof['hidden_size']:,}, MLP {prof['intermediate_size']:,}, "
+            f"{prof['query_heads']} query / {prof['kv_heads']} KV heads x "
+            f"{prof['head_size']}); {prof['prefill_flops_per_token'] / 1e6:,.1f} MFLOP per "
+            f"prefill token (+ {prof['attention_flops_per_context_token']:,} per token of "
+            f"context); {prof['kv_bytes_per_token']:,} K/V bytes per token; "
+            f"{prof['parameters_per_kv_value'] / 1e3:,.0f}k parameters per K/V value, "
+            f"{prof['vs_llama3_8b']:.2f}x Llama-3-8B's {LLAMA3_8B_PARAMS_PER_KV / 1e3:,.0f}k")
 
 
 class TransformerModel:
@@ -44,8 +96,7 @@ class TransformerModel:
     exact = False
 
     def __init__(self, *, num_layers: int, num_kv_heads: int, head_size: int, dtype,
-                 seed: int = 0, vocab: int = 4096, query_per_kv: int = 2,
-                 mlp_ratio: int = 3) -> None:
+                 seed: int = 0, vocab: int = 4096, shape: DecoderShape | None = None) -> None:
         self.num_layers = positive_int(num_layers, "num_layers")
         self.num_kv_heads = positive_int(num_kv_heads, "num_kv_heads")
         self.head_size = positive_int(head_size, "head_size")
@@ -54,10 +105,9 @@ class TransformerModel:
         self.seed = nonneg_int(seed, "seed")
         self.vocab = positive_int(vocab, "vocab")
         self.dtype = np.dtype(dtype)
-        self.num_q_heads = self.num_kv_heads * positive_int(query_per_kv, "query_per_kv")
         L, Hkv, D = self.num_layers, self.num_kv_heads, self.head_size
-        d = self.hidden = self.num_q_heads * D
-        inter = self.intermediate = positive_int(mlp_ratio, "mlp_ratio") * d
+        self.num_q_heads, d, inter = decoder_dims(Hkv, D, shape)
+        self.hidden, self.intermediate = d, inter
         rng = np.random.default_rng(self.seed)
 
         def weights(*shape: int) -> np.ndarray:
@@ -239,6 +289,17 @@ def mismatching_blocks_within(view: np.ndarray, block_ids, block_size: int, k: n
     return bad
 
 
+def _stretches(idx: list[int]) -> list[tuple[int, int]]:
+    """Sorted block indices as [lo, hi) stretches of adjacent ones."""
+    out: list[tuple[int, int]] = []
+    for i in idx:
+        if out and out[-1][1] == i:
+            out[-1] = (out[-1][0], i + 1)
+        else:
+            out.append((i, i + 1))
+    return out
+
+
 def _rms(x: np.ndarray) -> np.ndarray:
     return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + np.float32(_EPS))
 
@@ -254,10 +315,17 @@ class TransformerCompute(ComputeBase):
     """The transformer on the arena (one full-attention group): a step's
     prefill chunks run as one batch (over the K/V gathered from each
     request's blocks) and its decode tokens as another, which reads the
-    context from the blocks layer by layer (`TransformerModel.decode`).  `verify_hits` is the
-    fraction of admitted requests whose hit blocks are all recomputed and
-    compared within TOLERANCE (a recompute costs a prefill of the prefix);
-    `check_decode` the fraction of decode tokens whose hidden state is
+    context from the blocks layer by layer (`TransformerModel.decode`).
+
+    Checks cost the same whether a request's prefix was a hit or not:
+    `check_blocks` of each request's full prompt blocks, drawn from its id
+    (the same blocks in a shared and an isolated run), are recomputed and
+    compared within TOLERANCE, a hit block when the request is admitted, a
+    block this worker computes once its K/V are written.  A recompute runs
+    each stretch of adjacent sampled blocks over the arena's K/V of the
+    tokens before it, so it costs a prefill of the sampled blocks (and
+    their attention over the prefix), not of the whole prefix.
+    `check_decode` is the fraction of decode tokens whose hidden state is
     compared with attention over the request's K/V read contiguously."""
 
     def __init__(self, config, arena, opts, stats, tag: int) -> None:
@@ -265,9 +333,11 @@ class TransformerCompute(ComputeBase):
         kv = config.kv
         self.model = TransformerModel(num_layers=kv.num_layers, num_kv_heads=kv.num_kv_heads,
                                       head_size=kv.head_size, dtype=arena.dtype,
-                                      seed=opts.seed)
+                                      seed=opts.seed, shape=opts.decoder)
         self.view = self.views[0]
         self.block_size = self.groups[0][1]
+        self._sampled: set[str] = set()           # requests whose blocks were drawn
+        self._pending: dict[str, list[int]] = {}  # rid -> sampled blocks to compute
 
     def run(self, seqs) -> None:
         st = self.stats
@@ -279,6 +349,9 @@ class TransformerCompute(ComputeBase):
             for seq, (k, v, _) in zip(prefill, outs):
                 self.write(seq, seq.num_computed, k, v)
             st.kv_s += time.thread_time() - t0
+            for seq in prefill:
+                if seq.rid in self._pending:
+                    self._check_computed(seq, seq.num_computed + seq.scheduled)
         if decode:
             t0 = time.thread_time()
             positions = [seq.num_computed for seq in decode]
@@ -302,45 +375,87 @@ class TransformerCompute(ComputeBase):
         return seq.tokens[start:start + seq.scheduled], start, k, v
 
     def started(self, seq) -> None:
-        """A request admitted without hits: nothing to check."""
+        """A request admitted without hits: its sampled blocks are checked
+        once computed."""
+        self.admitted(seq, 0)
 
     def admitted(self, seq, num_hit: int) -> None:
-        """Count the hits another worker wrote; for a `verify_hits` sample of
-        requests, recompute the hit prefix and compare every hit block."""
+        """Count the hits another worker wrote; on the request's first
+        admission, draw its sampled blocks and check the hit ones now."""
         t0 = time.thread_time()
         st = self.stats
-        verify = self.rng.random() < self.opts.verify_hits
-        idx = self._all_hit_blocks(seq, num_hit, count_only=not verify)
-        if idx:
-            bs = self.block_size
-            end = (idx[-1] + 1) * bs
-            k, v, _ = self.model.forward(seq.tokens[:end], 0)
-            table = seq.tables[0]
-            ids = [table[i] for i in idx]
-            want_k = np.concatenate([k[:, i * bs:(i + 1) * bs] for i in idx], axis=1)
-            want_v = np.concatenate([v[:, i * bs:(i + 1) * bs] for i in idx], axis=1)
-            bad = mismatching_blocks_within(self.view, ids, bs, want_k, want_v)
-            st.hit_blocks_checked += len(idx)
-            if bad:
-                self.bad_hits(seq, [ids[i] for i in bad], f"differ from a recompute by "
-                              f"more than {TOLERANCE:g} of their scale")
-        st.check_s += time.thread_time() - t0
-
-    def _all_hit_blocks(self, seq, num_hit: int, count_only: bool) -> list[int]:
-        """Indices of the request's hit blocks (counting those another worker
-        wrote); [] with `count_only`."""
+        bs = self.block_size
         table = seq.tables[0]
         writer = self.arena.writer
-        idx = [i for i in range(num_hit // self.block_size) if table[i] != 0]
-        self.stats.cross_hit_tokens += self.block_size * sum(
-            1 for i in idx if writer[table[i]] != self.tag)
-        return [] if count_only else idx
+        st.cross_hit_tokens += bs * sum(1 for i in range(num_hit // bs)
+                                        if writer[table[i]] != self.tag)
+        if seq.rid not in self._sampled:
+            self._sampled.add(seq.rid)
+            sample = self.sampled_blocks(seq.rid, seq.prompt_len // bs)
+            hits = [i for i in sample if i < num_hit // bs]
+            if hits:
+                st.hit_blocks_checked += len(hits)
+                bad = self._mismatching(seq, hits)
+                if bad:
+                    self.bad_hits(seq, [table[i] for i in bad], f"differ from a recompute "
+                                  f"by more than {TOLERANCE:g} of their scale")
+            rest = sample[len(hits):]
+            if rest:
+                self._pending[seq.rid] = rest
+        st.check_s += time.thread_time() - t0
+
+    def sampled_blocks(self, rid: str, num_full: int) -> list[int]:
+        """The `check_blocks` of a request's `num_full` full prompt blocks
+        to check (sorted indices), drawn from its id and `sample_seed`."""
+        n = min(self.opts.check_blocks, num_full)
+        if n <= 0:
+            return []
+        rng = random.Random(f"{self.opts.sample_seed}:{rid}")
+        return sorted(rng.sample(range(num_full), n))
+
+    def _check_computed(self, seq, written: int) -> None:
+        """Check the request's pending sampled blocks that the first
+        `written` tokens' K/V now fill."""
+        t0 = time.thread_time()
+        st = self.stats
+        bs = self.block_size
+        pending = self._pending.pop(seq.rid)
+        due = [i for i in pending if (i + 1) * bs <= written]
+        if len(due) < len(pending):
+            self._pending[seq.rid] = pending[len(due):]
+        if due:
+            st.computed_blocks_checked += len(due)
+            bad = self._mismatching(seq, due)
+            if bad:
+                st.computed_mismatches += len(bad)
+                self.error(f"{seq.rid}: {len(bad)} block(s) this worker computed differ "
+                           f"from a recompute by more than {TOLERANCE:g} of their scale "
+                           f"(block ids {[seq.tables[0][i] for i in bad][:8]})")
+        st.check_s += time.thread_time() - t0
+
+    def _mismatching(self, seq, idx: list[int]) -> list[int]:
+        """Of the request's blocks `idx` (sorted), those whose K/V in the
+        arena differ from a recompute.  Each stretch of adjacent blocks is
+        recomputed in one pass over the arena's K/V of the tokens before it,
+        so a wrong block is caught as itself, not as its successors."""
+        bs = self.block_size
+        table = seq.tables[0]
+        bad = []
+        for lo, hi in _stretches(idx):
+            start = lo * bs
+            if start:
+                prefix_k, prefix_v = read_kv(self.view, table, bs, 0, start)
+            else:
+                prefix_k = prefix_v = None
+            k, v, _ = self.model.forward(seq.tokens[start:hi * bs], start, prefix_k, prefix_v)
+            bad += [lo + j for j in mismatching_blocks_within(self.view, table[lo:hi], bs, k, v)]
+        return bad
 
     def _check_decode(self, seq, hidden: np.ndarray) -> None:
         """The decode step's hidden state against `forward` of the same token
         over the request's K/V gathered contiguously: the paged decode path
         against the plain one, over the same bytes (the bytes themselves are
-        what `verify_hits` recomputes).  Costs a gather of the context and one
+        what the sampled blocks' recomputes check).  Costs a gather of the context and one
         token, where a recompute of the whole request would cost its prefill."""
         t0 = time.thread_time()
         st = self.stats
