@@ -173,7 +173,7 @@ def test_lengths_within_bounds(stream, systems):
 
 def test_lengths_have_roughly_the_intended_medians(stream, systems):
     out_median = statistics.median(len(it.output) for it in stream)
-    assert 24 <= out_median <= 42, out_median          # ~32
+    assert 12 <= out_median <= 21, out_median          # ~16
     user_median = statistics.median(user_lengths(stream, systems))
     assert 90 <= user_median <= 160, user_median       # ~120
 

@@ -17,8 +17,11 @@ computes them, as vLLM's do: a request whose hits another request of the
 step writes is computed after it (`phase`).  When an admission's lookup
 stops at blocks another worker is writing (`Admitted.num_in_flight_tokens`
 >= `wait_in_flight`), the request waits for them instead of computing them
-again, until its `in_flight_deadline`; a writer that dies or is preempted
-uncaches them, so the wait ends at the next step.
+again: it keeps its place in line but takes no budget, and each step looks
+it up again (a `GetComputedBlocks` probe) until fewer are in flight, or
+until its hit has not grown for `in_flight_deadline` seconds (then it
+computes the rest).  A writer that dies or is preempted uncaches them, so
+the wait ends at the next step.
 
 A conversation's next turn arrives only once its previous turn is over
 (workers/turns.py: the run's TurnBoard, across workers), as a user sends
@@ -94,8 +97,8 @@ class EngineOptions(msgspec.Struct, frozen=True, kw_only=True):
     # arena's writer stamps, no model compute (no K/V, attention or checks).
     load_only: bool = False
     # Wait for a prefix other workers are computing when at least this many
-    # of its tokens are in flight (0: never wait), for at most
-    # `in_flight_deadline` seconds (then compute it).
+    # of its tokens are in flight (0: never wait), until it makes no progress
+    # for `in_flight_deadline` seconds (then compute the rest).
     wait_in_flight: int = 128
     in_flight_deadline: float = 2.0
 
@@ -166,7 +169,7 @@ class Seq:
 
     __slots__ = ("rid", "item", "arrived", "tokens", "prompt_len", "generated", "num_computed",
                  "tables", "ctx", "scheduled", "added", "admitted_once", "to_advance",
-                 "append", "wait_until", "phase", "num_hit")
+                 "append", "wait_until", "wait_hit", "phase", "num_hit")
 
     def __init__(self, item: Item) -> None:
         self.rid = item.rid
@@ -183,7 +186,9 @@ class Seq:
         self.admitted_once = False
         self.to_advance = False
         self.append: list[int] = []
-        self.wait_until = 0.0    # waiting for a prefix in flight until then (0: not waiting)
+        self.wait_until = 0.0    # waiting for a prefix in flight until then (0: not waiting,
+                                 # -1: its wait timed out: it computes at its next admission)
+        self.wait_hit = 0        # its hit tokens when the wait last made progress
         self.phase = 0           # computed after the requests of lower phases in its step
         self.num_hit = -1        # hit tokens of an admission this step (-1: none)
 
@@ -253,9 +258,10 @@ class Engine:
             if not (self.running or self.waiting or self.finishing or self.pending):
                 break
             if not await self.step():
-                # Nothing could run (every block is held by other workers):
-                # give them a moment instead of spinning on the coordinator.
-                await asyncio.sleep(0.002)
+                # Nothing could run (every block is held by other workers, or
+                # the requests wait for prefixes in flight): give the others
+                # a moment instead of spinning on the coordinator.
+                await asyncio.sleep(0.01 if self.waiting else 0.002)
             if on_step is not None:
                 on_step(self.stats)
         await self._flush()
@@ -322,7 +328,7 @@ class Engine:
             budget -= n
             allocs.append((seq, len(ops)))
             ops.append(p.AllocateSlots(seq.rid, n))
-        admits = self._admissions(ops, budget, [s for s, _ in allocs])
+        admits, probes = self._admissions(ops, budget, [s for s, _ in allocs])
         t0 = time.perf_counter()
         results = await self._batch(ops)
         self._over(released)     # cached and freed (or lost with a restart: over too)
@@ -348,6 +354,8 @@ class Engine:
             if not self._admitted(seq, results[i], writers):
                 refused.append(seq)
         self.waiting.extendleft(reversed(refused))   # FCFS: first in line next step
+        for seq, i in probes:
+            self._probed(seq, results[i])
         if failed:
             await self._preempt(failed)
         return self._compute()
@@ -365,37 +373,57 @@ class Engine:
         self.finishing = []
         return ops
 
-    def _admissions(self, ops: list, budget: int, allocs: list[Seq]) -> list[tuple[Seq, int]]:
+    def _admissions(self, ops: list, budget: int, allocs: list[Seq]
+                    ) -> tuple[list[tuple[Seq, int]], list[tuple[Seq, int]]]:
         """Append Add + Admit ops for waiting requests, FCFS, while the budget,
-        max_running and (an estimate of) the free blocks allow; returns the
-        requests with the index of their Admit op."""
+        max_running and (an estimate of) the free blocks allow, and a lookup
+        (a probe, no budget) for each request waiting for a prefix in
+        flight; returns the admitted and the probed requests, each with the
+        index of its op."""
         admits: list[tuple[Seq, int]] = []
         free = self.num_free_blocks - sum(self._blocks_needed(s, s.scheduled) for s in allocs)
-        while (self.waiting and budget > 0
+        waiting = self.waiting
+        i = 0
+        while (i < len(waiting) and budget > 0
                and len(self.running) + len(admits) < self.opts.max_running):
-            seq = self.waiting[0]
+            seq = waiting[i]
+            if seq.wait_until > 0:
+                i += 1          # waits in its place: probed below
+                continue
             n = min(budget, len(seq.tokens))
             need = self._blocks_needed(seq, n)
             if need > free and (admits or self.running):
                 break   # would likely fail: let running requests free blocks first
-            self.waiting.popleft()
+            del waiting[i]
             if not seq.added:   # (a preempted request is still known to the coordinator)
                 ops.append(p.AddRequest(seq.rid, list(seq.tokens)))
                 seq.added = True
             admits.append((seq, len(ops)))
-            ops.append(p.Admit(seq.rid, n, wait_in_flight=self._wait_in_flight(seq)))
+            wait = 0 if seq.wait_until else self.opts.wait_in_flight
+            ops.append(p.Admit(seq.rid, n, wait_in_flight=wait))
             budget -= n
             free -= need
-        return admits
+        probes = []
+        for seq in waiting:
+            if seq.wait_until > 0:
+                probes.append((seq, len(ops)))
+                ops.append(p.GetComputedBlocks(seq.rid))
+        return admits, probes
 
-    def _wait_in_flight(self, seq: Seq) -> int:
-        """`Admit.wait_in_flight` for the request: the engine's threshold
-        until its deadline for waiting passes (then 0: it computes)."""
-        if seq.wait_until and time.monotonic() >= seq.wait_until:
+    def _probed(self, seq: Seq, res: p.ComputedBlocks) -> None:
+        """A waiting request's lookup: it is admitted next step (in its
+        place in line) once fewer than `wait_in_flight` tokens are in flight;
+        its deadline moves while its hit grows (the writer is making
+        progress), and when it passes, the request computes the rest."""
+        now = time.monotonic()
+        if res.num_in_flight_tokens < self.opts.wait_in_flight:
             seq.wait_until = 0.0
+        elif res.num_computed_tokens > seq.wait_hit:
+            seq.wait_hit = res.num_computed_tokens
+            seq.wait_until = now + self.opts.in_flight_deadline
+        elif now >= seq.wait_until:
+            seq.wait_until = -1.0
             self.stats.in_flight_timeouts += 1
-            return 0
-        return self.opts.wait_in_flight
 
     def _blocks_needed(self, seq: Seq, n: int) -> int:
         total = 0
@@ -414,9 +442,10 @@ class Engine:
         (short of blocks, or waiting for tokens in flight).  `writers`: the
         blocks this step's requests write so far (this one's join them)."""
         if res.new_block_ids is None:
-            if (res.num_in_flight_tokens and not seq.wait_until
+            if (not seq.wait_until
                     and 0 < self.opts.wait_in_flight <= res.num_in_flight_tokens):
                 seq.wait_until = time.monotonic() + self.opts.in_flight_deadline
+                seq.wait_hit = res.num_computed_tokens
                 self.stats.in_flight_waits += 1
             return False
         st = self.stats

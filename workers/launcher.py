@@ -111,6 +111,7 @@ class RunResult(msgspec.Struct, kw_only=True):
             "hit_tokens": t.hit_tokens, "hit_rate": self.hit_rate,
             "cross_hit_tokens": t.cross_hit_tokens, "computed_tokens": t.computed_tokens,
             "preemptions": t.preemptions,
+            "in_flight_waits": t.in_flight_waits, "in_flight_timeouts": t.in_flight_timeouts,
             "kv_s": t.kv_s, "attention_s": t.attention_s, "check_s": t.check_s,
             "coord_s": t.coord_s,
             "hit_blocks_checked": t.hit_blocks_checked, "hit_mismatches": t.hit_mismatches,

@@ -28,6 +28,8 @@ from kvshm.workers.launcher import (
     percentile,
 )
 from kvshm.workers.topology import describe, format_cpulist
+from kvshm.workers.traffic import distinct_tokens
+from kvshm.workers.worker import workload_stream
 
 DEFAULT_PRESET = "small"
 DEFAULT_MODEL = "transformer"
@@ -64,7 +66,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     mode.add_argument("--compare", action="store_true",
                       help="run shared, then isolated, and compare them")
     ap.add_argument("--workload", default="synthetic",
-                    help="'synthetic' (default) or a JSONL file of prompts")
+                    help="'synthetic' (default: chat), 'rag' (documents asked several "
+                         "questions each), 'unique' (the same lengths, nothing shared) "
+                         "or a JSONL file of prompts")
     ap.add_argument("--requests", type=int, metavar="N",
                     help="serve only the first N requests of the workload, then stop "
                          "(a fixed amount of work: compare wall times); --duration "
@@ -166,10 +170,18 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
         spec = SyntheticSpec(seed=args.seed).fit(max_len).validate()
         workload = WorkloadSpec(kind="synthetic", synthetic=spec, limit=args.requests,
                                 assign=args.assign)
+    elif args.workload in ("rag", "unique"):
+        from kvshm.workers.traffic import RagSpec
+        spec = RagSpec(seed=args.seed, shared=args.workload == "rag").validate()
+        if spec.max_item_len > max_len:
+            raise ValueError(f"--workload {args.workload}: its requests reach "
+                             f"{spec.max_item_len:,} tokens, the model's max is {max_len:,}")
+        workload = WorkloadSpec(kind="rag", rag=spec, limit=args.requests, assign=args.assign)
     else:
         path = Path(args.workload)
         if not path.is_file():
-            raise ValueError(f"--workload: {path} is not a file (or say 'synthetic')")
+            raise ValueError(f"--workload: {path} is not a file (or say 'synthetic', 'rag' "
+                             "or 'unique')")
         from kvshm.workers.traffic import load_jsonl
         load_jsonl(path, max_len=max_len)    # bad lines fail here, not in N workers
         workload = WorkloadSpec(kind="jsonl", path=str(path.resolve()), max_len=max_len,
@@ -218,6 +230,7 @@ def run(args: argparse.Namespace) -> int:
     modes = ["shared", "isolated"] if args.compare else [
         "isolated" if args.isolated else "shared"]
     results: list[RunResult] = []
+    size = workload_size(opts.workload)
     for mode in modes:
         try:
             res = run_async(launch(opts, mode, cpu_plan))
@@ -229,7 +242,7 @@ def run(args: argparse.Namespace) -> int:
             return 1
         results.append(res)
         profile = model_profile(res.config, opts)
-        print(summary(res, profile), flush=True)
+        print(summary(res, profile, size), flush=True)
         if res.interrupted:
             break
     if len(results) == 2:
@@ -238,6 +251,8 @@ def run(args: argparse.Namespace) -> int:
         doc = {"runs": [r.to_dict() for r in results]}
         if results and (profile := model_profile(results[0].config, opts)):
             doc["model"] = profile
+        if size is not None:
+            doc["workload"] = {"requests": size[0], "distinct_tokens": size[1]}
         if len(results) == 2:
             doc["speedup"] = speedup(*results)
         Path(args.json).write_text(json.dumps(doc, indent=2))
@@ -292,6 +307,15 @@ def _verdict(results: list[RunResult]) -> str:
     return f"OK (0 integrity mismatches, {finished}, pools whole)"
 
 
+def workload_size(workload) -> tuple[int, int] | None:
+    """(requests, distinct tokens: what a perfect prefix cache computes) of a
+    finite workload; None for an endless one."""
+    if workload.kind == "synthetic" and workload.limit is None:
+        return None
+    items = list(workload_stream(workload))
+    return len(items), distinct_tokens(items)
+
+
 def model_profile(config, opts: LaunchOptions) -> dict | None:
     """The transformer's cost profile on `config`'s KV shape
     (transformer.decoder_profile), or None for another model."""
@@ -326,8 +350,10 @@ def _pct(a: int, b: int) -> str:
     return f"{a / b:.1%}" if b else "-"
 
 
-def summary(res: RunResult, profile: dict | None = None) -> str:
-    """A run's figures; `profile`: the model's (model_profile), if any."""
+def summary(res: RunResult, profile: dict | None = None,
+            size: tuple[int, int] | None = None) -> str:
+    """A run's figures; `profile`: the model's (model_profile), `size`: the
+    workload's (workload_size), if known."""
     t = res.totals
     lat = res.latencies
     secs = max(res.seconds, 1e-9)
@@ -346,7 +372,9 @@ def summary(res: RunResult, profile: dict | None = None) -> str:
               if t.rejected else ""),
            f"  tokens            {prompt:,} prompt ({prompt / secs:,.0f}/s), "
            f"{t.generated_tokens:,} generated ({t.generated_tokens / secs:,.0f}/s); "
-           f"K/V computed for {t.computed_tokens:,} ({t.computed_tokens / secs:,.0f}/s)",
+           f"K/V computed for {t.computed_tokens:,} ({t.computed_tokens / secs:,.0f}/s)"
+           + (f", {t.computed_tokens / size[1]:.2f}x the workload's {size[1]:,} distinct "
+              f"tokens" if size and t.finished == size[0] and size[1] else ""),
            f"  prefix cache      hit rate {_pct(hit, prompt)}: {hit:,} prompt tokens not "
            f"recomputed; {cross:,} of them from blocks another worker wrote "
            f"({_pct(cross, hit)} of hits)",
@@ -355,6 +383,9 @@ def summary(res: RunResult, profile: dict | None = None) -> str:
            f"  first token       p50 {percentile(sorted(t.ttft_ms), 50) or 0:,} ms, p99 "
            f"{percentile(sorted(t.ttft_ms), 99) or 0:,} ms from arrival (queueing included)",
            f"  preemptions       {t.preemptions:,}",
+           f"  prefixes in flight {t.in_flight_waits:,} requests waited for blocks another "
+           f"worker was computing ({t.in_flight_timeouts:,} stopped waiting and computed "
+           "them)",
            f"  worker time       CPU s: K/V {t.kv_s:,.1f}, decode attention "
            f"{t.attention_s:,.1f}, integrity checks {t.check_s:,.1f}; waiting for "
            f"the coordinator {t.coord_s:,.1f}s (summed over workers)",

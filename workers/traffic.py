@@ -62,12 +62,12 @@ class SyntheticSpec:
     user_len: tuple[int, int] = (16, 1024)
     user_median: float = 120.0
     output_len: tuple[int, int] = (8, 512)
-    output_median: float = 32.0
+    output_median: float = 16.0
     sigma: float = 0.9                          # spread of both lognormals
     mean_turns: float = 2.5
     max_turns: int = 8
     max_len: int = 8192                         # prompt + output of every item
-    open_conversations: int = 8                 # interleaved at any time
+    open_conversations: int = 16                # interleaved at any time
 
     def fit(self, max_len: int) -> SyntheticSpec:
         """This spec for a model of `max_len` tokens: lengths (ranges and

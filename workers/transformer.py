@@ -111,7 +111,9 @@ class TransformerModel:
         rng = np.random.default_rng(self.seed)
 
         def weights(*shape: int) -> np.ndarray:
+            """[L, in, out] drawn, kept as [L, out, in] (see `_linear`)."""
             w = rng.standard_normal(shape, dtype=np.float32) / np.float32(np.sqrt(shape[-2]))
+            w = np.ascontiguousarray(w.transpose(0, 2, 1))
             w.flags.writeable = False
             return w
 
@@ -173,7 +175,7 @@ class TransformerModel:
         vs = np.empty_like(ks)
         attn = np.empty((n, Hq * D), dtype=np.float32)
         for layer in range(L):
-            qkv = _rms(x) @ self.w_qkv[layer]
+            qkv = _linear(_rms(x), self.w_qkv[layer])
             q = _rotate(qkv[:, :Hq * D].reshape(n, Hq, D), cos, sin)
             ks[layer] = _rotate(qkv[:, Hq * D:(Hq + Hkv) * D].reshape(n, Hkv, D), cos, sin)
             vs[layer] = qkv[:, (Hq + Hkv) * D:].reshape(n, Hkv, D)
@@ -186,9 +188,9 @@ class TransformerModel:
                     values = np.concatenate((prefix_v[layer], values))
                 attn[lo:hi] = _attention(q[lo:hi], keys.astype(np.float32, copy=False),
                                          values.astype(np.float32, copy=False), start)
-            x = x + attn @ self.w_o[layer]
-            gate, up = np.split(_rms(x) @ self.w_gate_up[layer], 2, axis=1)
-            x = x + (gate / (1 + np.exp(-gate)) * up) @ self.w_down[layer]
+            x = x + _linear(attn, self.w_o[layer])
+            gate, up = np.split(_linear(_rms(x), self.w_gate_up[layer]), 2, axis=1)
+            x = x + _linear(gate / (1 + np.exp(-gate)) * up, self.w_down[layer])
         return [(ks[:, lo:hi], vs[:, lo:hi], x[lo:hi]) for lo, hi in spans]
 
     def decode(self, tokens, positions, view: np.ndarray, tables):
@@ -213,13 +215,18 @@ class TransformerModel:
         if len(tokens) != B or len(tables) != B:
             raise ValueError(f"{len(tokens)} tokens, {B} positions and {len(tables)} block "
                              "tables: one of each per request")
-        ids = []
+        # Every request's blocks in one [B, max blocks] table, padded with
+        # the null block; its positions past the request's length are masked.
+        max_used = max((-(-n // bs) for n in lengths), default=0)
+        ids = np.zeros((B, max_used), dtype=np.intp)
         for i, (n, table) in enumerate(zip(lengths, tables)):
             used = -(-n // bs)
             if len(table) < used:
                 raise ValueError(f"request {i}: {len(table)} blocks hold fewer than its "
                                  f"{n} tokens")
-            ids.append(np.asarray(table[:used], dtype=np.intp))
+            ids[i, :used] = table[:used]
+        T = max_used * bs
+        masked = (np.arange(T)[None, :] >= np.asarray(lengths)[:, None])[:, None, None, :]
         angles = np.asarray(lengths, dtype=np.float32)[:, None] * self.inv_freq
         cos, sin = np.cos(angles)[:, None, :], np.sin(angles)[:, None, :]
         x = self.embed[np.asarray(tokens, dtype=np.int64) % self.vocab]
@@ -228,7 +235,7 @@ class TransformerModel:
         out = np.empty((B, Hkv, g, D), dtype=np.float32)
         scale = np.float32(1 / np.sqrt(D))
         for layer in range(L):
-            qkv = _rms(x) @ self.w_qkv[layer]
+            qkv = _linear(_rms(x), self.w_qkv[layer])
             q = _rotate(qkv[:, :Hq * D].reshape(B, Hq, D), cos, sin).reshape(B, Hkv, g, D)
             q *= scale
             ks[layer] = _rotate(qkv[:, Hq * D:(Hq + Hkv) * D].reshape(B, Hkv, D), cos, sin)
@@ -236,23 +243,33 @@ class TransformerModel:
             k_new = ks[layer].astype(np.float32, copy=False)
             v_new = vs[layer].astype(np.float32, copy=False)
             own = np.einsum("bhgd,bhd->bhg", q, k_new)                  # [B, Hkv, g]
-            for i, (n, blocks) in enumerate(zip(lengths, ids)):
-                # One gather (in C) of this layer's K, one of its V.
-                keys = view[blocks, layer, 0].reshape(-1, Hkv, D)[:n]
-                values = view[blocks, layer, 1].reshape(-1, Hkv, D)[:n]
-                if keys.dtype != np.float32:
-                    keys, values = keys.astype(np.float32), values.astype(np.float32)
-                scores = q[i] @ keys.transpose(1, 2, 0)                  # [Hkv, g, n]
-                top = np.maximum(scores.max(axis=-1, initial=-np.inf), own[i])
-                np.exp(scores - top[..., None], out=scores)
-                w_own = np.exp(own[i] - top)
-                mixed = scores @ values.transpose(1, 0, 2)               # [Hkv, g, D]
-                mixed += w_own[..., None] * v_new[i][:, None, :]
-                out[i] = mixed / (scores.sum(axis=-1) + w_own)[..., None]
-            x = x + out.reshape(B, Hq * D) @ self.w_o[layer]
-            gate, up = np.split(_rms(x) @ self.w_gate_up[layer], 2, axis=1)
-            x = x + (gate / (1 + np.exp(-gate)) * up) @ self.w_down[layer]
+            # One gather (in C) of this layer's K of every request, one of
+            # its V, then the whole batch in two matrix products.
+            keys = view[ids, layer, 0].reshape(B, T, Hkv, D).transpose(0, 2, 3, 1)
+            values = view[ids, layer, 1].reshape(B, T, Hkv, D).transpose(0, 2, 1, 3)
+            if keys.dtype != np.float32:
+                keys, values = keys.astype(np.float32), values.astype(np.float32)
+            scores = q @ keys                                            # [B, Hkv, g, T]
+            np.putmask(scores, np.broadcast_to(masked, scores.shape), -np.inf)
+            top = np.maximum(scores.max(axis=-1, initial=-np.inf), own)
+            np.exp(scores - top[..., None], out=scores)
+            w_own = np.exp(own - top)
+            mixed = scores @ values                                      # [B, Hkv, g, D]
+            mixed += w_own[..., None] * v_new[:, :, None, :]
+            out[:] = mixed / (scores.sum(axis=-1) + w_own)[..., None]
+            x = x + _linear(out.reshape(B, Hq * D), self.w_o[layer])
+            gate, up = np.split(_linear(_rms(x), self.w_gate_up[layer]), 2, axis=1)
+            x = x + _linear(gate / (1 + np.exp(-gate)) * up, self.w_down[layer])
         return ks, vs, x
+
+
+def _linear(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """x [n, in] times a weight kept as [out, in]: `w @ x.T`, transposed back.
+
+    NOTE: that layout and order, not `x @ w.T`, because decode batches of a
+    few rows are memory-bound and the BLAS reads an [out, in] matrix once
+    that way (about 2x faster at 4 rows here, the same at 512)."""
+    return (w @ x.T).T
 
 
 def _attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, start: int) -> np.ndarray:

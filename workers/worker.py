@@ -19,19 +19,27 @@ import time
 import msgspec
 
 from kvshm.workers.channel import Done, Failed, Progress, Ready, WorkerSpec, WorkloadSpec, emit
-from kvshm.workers.traffic import assign, load_jsonl, synthetic
+from kvshm.workers.traffic import assign, load_jsonl, rag, synthetic
 from kvshm.workers.turns import TurnBoard
 
 
-def workload_items(workload: WorkloadSpec, index: int, num_workers: int):
-    """Worker `index`'s share (of `num_workers`) of the workload's items."""
+def workload_stream(workload: WorkloadSpec):
+    """Every item of the workload, in order (infinite for an unlimited
+    synthetic one)."""
     if workload.kind == "synthetic":
         items = synthetic(workload.synthetic)
+    elif workload.kind == "rag":
+        items = rag(workload.rag)
     else:
         items = load_jsonl(workload.path, vocab=workload.vocab, max_len=workload.max_len)
     if workload.limit is not None:
         items = itertools.islice(items, workload.limit)
-    return assign(items, index, num_workers, workload.assign)
+    return items
+
+
+def workload_items(workload: WorkloadSpec, index: int, num_workers: int):
+    """Worker `index`'s share (of `num_workers`) of the workload's items."""
+    return assign(workload_stream(workload), index, num_workers, workload.assign)
 
 
 async def wait_for_start() -> None:
