@@ -8,7 +8,7 @@ import time
 
 from kvshm import BlockHasher, FullSpec, KVCacheManager, PoolConfig, Request
 from kvshm.core.check import check_segment
-from kvshm.core.segment import SHM_DIR, segment_info
+from kvshm.core.segment import SHM_DIR, PoolSegment, segment_info
 
 
 def make_config(groups=(FullSpec(4),), num_blocks: int = 10, **changes) -> PoolConfig:
@@ -128,3 +128,12 @@ def leftovers(before: set[str]) -> list[str]:
         if info is None or info["pid"] == os.getpid() or not info["alive"]:
             out.append(name)
     return out
+
+
+def check_pool(name: str):
+    """`kvshm check` of pool `name` from outside its coordinator."""
+    seg = PoolSegment.attach(name)
+    try:
+        return check_segment(seg)
+    finally:
+        seg.close()

@@ -12,7 +12,7 @@ import subprocess
 import sys
 import textwrap
 
-from helpers import make_config, tokens
+from helpers import check_pool, make_config, tokens
 from kvshm import KVCacheManager, Request
 from kvshm.core.check import check_segment
 from kvshm.core.segment import FLAG_CACHED, FLAG_PENDING, PoolSegment
@@ -179,14 +179,6 @@ WRITER = textwrap.dedent("""
 """)
 
 
-def _check(name: str):
-    seg = PoolSegment.attach(name)
-    try:
-        return check_segment(seg)
-    finally:
-        seg.close()
-
-
 async def test_a_writer_sigkilled_before_marking_ready_is_never_hit(pool_name, tmp_path):
     prompt = tokens(1000, 1014)
     with CoordinatorProcess(CFG, name=pool_name) as proc:
@@ -219,7 +211,7 @@ async def test_a_writer_sigkilled_before_marking_ready_is_never_hit(pool_name, t
             w.wait(10)
             w.stdout.close()
         await asyncio.sleep(0.1)
-        rep = _check(pool_name)
+        rep = check_pool(pool_name)
         assert rep.clean and rep.num_requests == 0
 
 
@@ -237,11 +229,11 @@ async def test_pending_blocks_survive_a_coordinator_restart(pool_name):
         await reader.add_request("r", prompt)
         r = await reader.call(p.GetComputedBlocks("r"))
         assert (r.num_computed_tokens, r.num_in_flight_tokens) == (0, 12)
-        assert _check(pool_name).clean
+        assert check_pool(pool_name).clean
         await writer.advance("w", 14, [5])       # resumed: its K/V are written
         r = await reader.call(p.GetComputedBlocks("r"))
         assert (r.num_computed_tokens, r.num_in_flight_tokens) == (12, 0)
         await writer.close()
         await reader.close()
         await asyncio.sleep(0.1)
-        assert _check(pool_name).clean
+        assert check_pool(pool_name).clean

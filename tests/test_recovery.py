@@ -14,7 +14,7 @@ import sys
 import msgspec
 import pytest
 
-from helpers import make_config, tokens, until
+from helpers import check_pool, make_config, tokens, until
 from kvshm.core.check import check_segment
 from kvshm.core.segment import PoolSegment, segment_info
 from kvshm.service import protocol as p
@@ -25,14 +25,6 @@ from kvshm.service.resume import Reconnect
 
 CFG = make_config(num_blocks=64, max_num_seqs=16)
 FAST = Reconnect(initial_delay=0.01, max_delay=0.2, timeout=20)
-
-
-def _check(name: str):
-    seg = PoolSegment.attach(name)
-    try:
-        return check_segment(seg)
-    finally:
-        seg.close()
 
 
 async def _client(proc, **kw):
@@ -73,10 +65,10 @@ async def test_sigkill_of_the_coordinator_is_a_pause(pool_name):
         assert n == 12 and len(hits[0]) == 3         # the cache survived the crash
         await c.allocate_slots("again", 2, 12, use_computed_blocks=True)
         assert await c.allocate_slots("run", 1) is not None   # "run" is whole again
-        assert _check(pool_name).clean
+        assert check_pool(pool_name).clean
         await c.close()
         await asyncio.sleep(0.1)
-        st = _check(pool_name)
+        st = check_pool(pool_name)
         assert st.clean and st.num_requests == 0
     assert segment_info(pool_name) is None
 
@@ -208,7 +200,7 @@ def test_two_coordinators_racing_to_adopt_a_pool_one_wins(pool_name, sockdir):
             loser = next(q for q in procs if q is not winners[0])
             assert loser.wait(10) == 2
             assert "Traceback" not in loser.stderr.read()
-            assert _check(pool_name).clean
+            assert check_pool(pool_name).clean
         finally:
             for q in procs:
                 if q.poll() is None:
@@ -277,7 +269,7 @@ async def test_restoring_a_request_with_other_tokens_is_refused(pool_name):
         finally:
             wire.transport.close()
         await c.close()
-        await until(lambda: _check(pool_name).num_requests == 0, timeout=5)
+        await until(lambda: check_pool(pool_name).num_requests == 0, timeout=5)
 
 
 @pytest.mark.parametrize("delay", [0.0, 0.05, 0.2, 0.4, 0.7])
