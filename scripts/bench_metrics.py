@@ -53,14 +53,16 @@ class Scraper:
         self.thread.start()
 
     def _run(self) -> None:
+        # NOTE: a scraped round starts with a scrape (waiting on `on`, not
+        # polling it), so even a round shorter than the interval is scraped.
         while not self.stopped.is_set():
-            if self.on.is_set():
+            if self.on.wait(self.interval) and not self.stopped.is_set():
                 t = time.perf_counter()
                 with urllib.request.urlopen(self.url, timeout=10) as r:
                     r.read()
                 self.seconds += time.perf_counter() - t
                 self.scrapes += 1
-            self.stopped.wait(self.interval)
+                self.stopped.wait(self.interval)
 
     def stop(self) -> None:
         self.stopped.set()
