@@ -8,8 +8,14 @@ that needs them.  Full blocks are cached when they are allocated, as by
 vLLM's own manager, so this engine hits them in the same step; the pool
 keeps them pending (invisible to other engines) until this engine says
 their K/V are in the arena: `step_computed` queues that word for the
-request, and the next frame this engine sends carries it (no round trip of
-its own).
+request when its step completed a block, and the next frame this engine
+sends carries it (no round trip of its own).
+
+Calls the backend can answer from what it holds cost no round trip: a
+running request's allocation that needs no new block and caches no new
+block (most decode steps; its new tokens travel with its next frame), and
+the scheduler's per-step `get_num_common_prefix_blocks` (from the block
+ids the backend keeps).
 
 A waiting request whose lookup stops where another engine is writing at
 least `wait_in_flight` more of its tokens waits for them, up to
@@ -39,17 +45,23 @@ log = logging.getLogger("kvshm.vllm")
 # added (no window drops blocks, no sink blocks): the backend keeps a
 # request's block ids itself instead of asking for them.
 _GROWING = (FullSpec, MLASpec, CrossAttentionSpec)
+# Groups where an allocation that needs no new block and caches no new block
+# changes nothing in the pool (cross-attention allocates for encoder tokens).
+_LOCAL = (FullSpec, MLASpec)
 
 
 class _Sent:
     """What the coordinator knows of one request."""
 
-    __slots__ = ("num_tokens", "num_hashes", "computed")
+    __slots__ = ("num_tokens", "num_hashes", "computed", "cached")
 
     def __init__(self, num_tokens: int, num_hashes: int, computed: int) -> None:
         self.num_tokens = num_tokens
         self.num_hashes = num_hashes
         self.computed = computed
+        # The most tokens an allocation (or cache_blocks) asked the pool to
+        # cache: it holds this request's full blocks up to here.
+        self.cached = 0
 
 
 class RemoteBackend:
@@ -77,6 +89,11 @@ class RemoteBackend:
         self._computed: list = []
         self._mirror: dict[str, list[list[int]]] | None = (
             {} if all(isinstance(g, _GROWING) for g in self.config.groups) else None)
+        self._block_sizes = [self.config.effective_block_size(g)
+                             for g in range(len(self.config.groups))]
+        self._local = self._mirror is not None and all(
+            isinstance(g, _LOCAL) for g in self.config.groups)
+        self.local_allocations = 0   # allocations answered without a round trip
         self.stale_hits = 0          # allocations retried because another engine took the hit
         self._warned: set[str] = set()
 
@@ -155,6 +172,13 @@ class RemoteBackend:
         rid = request.request_id
         if self._in_flight and self._waits(rid):     # (only lookups set _in_flight)
             return None
+        total = request.num_computed_tokens + num_new_computed_tokens
+        if (hits is None and not num_external_computed_tokens and not num_encoder_tokens
+                and self._unchanged(request, total, num_new_tokens + num_lookahead_tokens,
+                                    delay_cache_blocks)):
+            self.local_allocations += 1
+            self._step_start[rid] = total
+            return [[] for _ in self._block_sizes]
         ops = self._sync(request) + [p.AllocateSlots(
             rid, num_new_tokens, num_new_computed_tokens, hits is not None,
             num_lookahead_tokens, num_external_computed_tokens, delay_cache_blocks,
@@ -169,6 +193,10 @@ class RemoteBackend:
             return None
         if new is None:
             return None
+        if not delay_cache_blocks:
+            sent = self._sent[rid]
+            sent.cached = max(sent.cached, min(total + num_external_computed_tokens
+                                               + num_new_tokens, request.num_tokens))
         if self._mirror is not None:
             held = self._mirror.get(rid)
             if held is None:
@@ -176,25 +204,57 @@ class RemoteBackend:
             else:
                 for h, n in zip(held, new):
                     h.extend(n)
-        self._step_start[rid] = (request.num_computed_tokens + num_new_computed_tokens
-                                 + num_external_computed_tokens)
+        self._step_start[rid] = total + num_external_computed_tokens
         return new
+
+    def _unchanged(self, request, total: int, num_slots: int, delay_cache_blocks: bool) -> bool:
+        """Whether allocating `num_slots` more slots to a running request
+        with `total` computed tokens would change nothing in the pool: it
+        holds the blocks already, and caches no block it has not cached.
+        Only with nothing queued for the pool (so that computed counts
+        reach it in the step after their step)."""
+        if not self._local or self._computed:
+            return False
+        rid = request.request_id
+        held = self._mirror.get(rid)
+        sent = self._sent.get(rid)
+        if held is None or sent is None:
+            return False
+        max_len = self.config.max_model_len
+        total = min(total, max_len)
+        need = min(total + num_slots, max_len)
+        cache = min(total + num_slots, request.num_tokens)
+        for bs, blocks in zip(self._block_sizes, held):
+            if -(-need // bs) > len(blocks):
+                return False
+            if not delay_cache_blocks and cache // bs > sent.cached // bs:
+                return False
+        return True
 
     def step_computed(self, num_scheduled_tokens: dict[str, int]) -> None:
         """The forward pass of a step wrote the K/V of its requests' scheduled
         tokens (`num_scheduled_tokens`: request id -> tokens): their blocks
         become hits for every engine once the next frame says so."""
         start = self._step_start
+        sizes = self._block_sizes
         for rid, n in num_scheduled_tokens.items():
             c = start.pop(rid, None)
             sent = self._sent.get(rid)
-            if c is not None and sent is not None and c + n > sent.computed:
+            # Only a step that completed a block has news for other engines
+            # (the pool's count of the request's tokens must cover it; it
+            # does whenever the step cached that block); any other count
+            # travels with the request's next op.
+            if (c is not None and sent is not None and c + n > sent.computed
+                    and c + n <= sent.num_tokens
+                    and any((c + n) // bs > sent.computed // bs for bs in sizes)):
                 sent.computed = c + n
                 self._computed.append(p.Advance(rid, c + n))
         start.clear()
 
     def cache_blocks(self, request, num_computed_tokens: int) -> None:
         self._run(self._sync(request) + [p.CacheBlocks(request.request_id, num_computed_tokens)])
+        sent = self._sent[request.request_id]
+        sent.cached = max(sent.cached, num_computed_tokens)
 
     def free(self, request) -> None:
         rid = request.request_id
@@ -226,7 +286,25 @@ class RemoteBackend:
         return self.client.get_block_ids(request_id)
 
     def get_num_common_prefix_blocks(self, request_id: str) -> list[int]:
-        return self.client.get_num_common_prefix_blocks(request_id)
+        """Per group, the leading blocks of the request that every request of
+        this engine holding blocks holds too (vLLM's count, over this
+        engine's requests; only cascade attention reads it)."""
+        held = None if self._mirror is None else self._mirror.get(request_id)
+        if held is None:
+            return self.client.get_num_common_prefix_blocks(request_id)
+        counts = [len(h) for h in held]
+        for other in self._mirror.values():
+            if other is held:
+                continue
+            for g, (mine, theirs) in enumerate(zip(held, other)):
+                n = min(counts[g], len(theirs))
+                i = 0
+                while i < n and mine[i] == theirs[i]:
+                    i += 1
+                counts[g] = i
+            if not any(counts):
+                break
+        return counts
 
     def evict_blocks(self, block_ids: list[int]) -> None:
         try:
