@@ -22,7 +22,10 @@ least `wait_in_flight` more of its tokens waits for them, up to
 `in_flight_deadline` seconds: its allocation answers None, which vLLM's
 scheduler takes as a full pool (the request stays first in line and is
 looked up again next step; the waiting requests behind it wait too, as
-they would for free blocks).  Runs inside vLLM processes only (no vLLM
+they would for free blocks).  While it waits it is looked up again at most
+every `in_flight_poll` seconds, and a step that schedules nothing else
+sleeps until then (vLLM's engine loop would otherwise spin through empty
+steps, each with a round trip).  Runs inside vLLM processes only (no vLLM
 import here, though).
 """
 
@@ -68,14 +71,17 @@ class RemoteBackend:
     """A vLLM engine's session with a coordinator (see the module doc)."""
 
     def __init__(self, client: SyncClient, *, wait_in_flight: int = 128,
-                 in_flight_deadline: float = 2.0) -> None:
+                 in_flight_deadline: float = 2.0, in_flight_poll: float = 0.002) -> None:
         self.client = client
         self.wait_in_flight = wait_in_flight
         self.in_flight_deadline = in_flight_deadline
-        # Per waiting request: the tokens in flight its last lookup saw, and
-        # until when it may wait for them.
+        self.in_flight_poll = in_flight_poll
+        # Per waiting request: the tokens in flight its last lookup saw,
+        # until when it may wait for them, and its last lookup (when, and
+        # its answer).
         self._in_flight: dict[str, int] = {}
         self._wait_until: dict[str, float] = {}
+        self._looked_up: dict[str, tuple[float, list[list[int]], int, int]] = {}
         self.in_flight_waits = 0     # requests that waited for tokens in flight
         self.config: PoolConfig = client.config
         self.num_blocks = self.config.num_blocks
@@ -141,11 +147,24 @@ class RemoteBackend:
     # -- the manager's calls ---------------------------------------------------------------
     def get_computed_blocks(self, request) -> tuple[list[list[int]], int]:
         rid = request.request_id
+        last = self._looked_up.get(rid) if rid in self._wait_until else None
+        if last is not None:
+            when, ids, n, in_flight = last
+            now = time.monotonic()
+            if now < when + self.in_flight_poll:
+                if self._step_start:             # other requests run this step
+                    self._in_flight[rid] = in_flight
+                    return ids, n
+                if not self._computed:           # else this step would be empty
+                    time.sleep(when + self.in_flight_poll - now)
         r = self._run(self._sync(request) + [p.GetComputedBlocks(rid)])
         if r.num_in_flight_tokens:
             self._in_flight[rid] = r.num_in_flight_tokens
+            self._looked_up[rid] = (time.monotonic(), r.block_ids, r.num_computed_tokens,
+                                    r.num_in_flight_tokens)
         else:
             self._in_flight.pop(rid, None)
+            self._looked_up.pop(rid, None)
         return r.block_ids, r.num_computed_tokens
 
     def _waits(self, rid: str) -> bool:
@@ -154,6 +173,7 @@ class RemoteBackend:
         n = self._in_flight.pop(rid, 0)
         if not 0 < self.wait_in_flight <= n:
             self._wait_until.pop(rid, None)
+            self._looked_up.pop(rid, None)
             return False
         now = time.monotonic()
         until = self._wait_until.get(rid)
@@ -164,6 +184,7 @@ class RemoteBackend:
         if now < until:
             return True
         del self._wait_until[rid]
+        self._looked_up.pop(rid, None)
         return False
 
     def allocate_slots(self, request, num_new_tokens, num_new_computed_tokens, hits,
@@ -261,6 +282,7 @@ class RemoteBackend:
         self._step_start.pop(rid, None)
         self._in_flight.pop(rid, None)
         self._wait_until.pop(rid, None)
+        self._looked_up.pop(rid, None)
         if self._mirror is not None:
             self._mirror.pop(rid, None)
         if rid not in self._sent:
