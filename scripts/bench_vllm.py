@@ -182,7 +182,8 @@ def run_mode(mode: str, args, model: Path, work: list[dict], tmp: Path, cpu_plan
         "hit_tokens": hits, "prompt_tokens": prompt_tokens, "hit_rate": hits / prompt_tokens,
         "engines": [{"engine": e, "cpus": list(cpu_plan.workers[e].cpus),
                      "startup_s": rep["startup_s"], "elapsed_s": rep["elapsed_s"],
-                     "cpu_s": rep["cpu_s"], "steps": rep["steps"], "plugin": rep["plugin"],
+                     "cpu_s": rep["cpu_s"], "minor_faults": rep["minor_faults"],
+                     "steps": rep["steps"], "plugin": rep["plugin"],
                      "manager": rep["manager"]} for e, rep in enumerate(reports)],
         "per_request": {r["id"]: {"tokens": r["token_ids"], "cached": r["num_cached_tokens"],
                                   "ttft_s": r["ttft_s"]} for r in reqs}}

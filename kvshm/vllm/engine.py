@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import sys
 import time
 from pathlib import Path
@@ -125,6 +126,7 @@ def run(args) -> dict:
     results = []
     steps = count_steps(llm)
     t1, cpu1 = time.perf_counter(), time.process_time()
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     for i, phase in enumerate(workload["phases"]):
         if i and args.pause_file:
             while not os.path.exists(args.pause_file):
@@ -142,6 +144,7 @@ def run(args) -> dict:
             Path(f"{args.phase_done}.{i}").touch()
     report = {"pool": os.environ.get("KVSHM_POOL", ""), "startup_s": startup,
               "elapsed_s": time.perf_counter() - t1, "cpu_s": time.process_time() - cpu1,
+              "minor_faults": resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults,
               "steps": steps[0], "requests": results, "counters": counters(llm),
               "manager": manager_name(llm), "plugin": plugin_counters()}
     if listener is not None:
