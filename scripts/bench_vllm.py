@@ -1,26 +1,43 @@
 #!/usr/bin/env python3
 """N vLLM engine processes, one per (real or virtual) NUMA node, on the same
-shared-prefix workload: one shared kvshm pool against each engine's own
-prefix cache.
+workload: one shared kvshm pool against each engine's own prefix cache.
 
-    .venv-vllm/bin/python scripts/bench_vllm.py [--engines 2] [--model small]
-        [--requests 24] [--system-prompts 6] [--out bench-results]
+    .venv-vllm/bin/python scripts/bench_vllm.py [--workload chat|rag|unique]
+        [--sequential] [--engines 2] [--model small] [--out bench-results]
 
-The workload: multi-turn conversations over a few shared system prompts,
-routed round-robin, so a conversation's next turn usually lands on another
-engine (the case vLLM users running local replicas ask about); turn k of
-every conversation forms wave k.  Runs, in this order, on
-the same streams: `isolated` (KVSHM_POOL unset; each engine's pool has
-1/N of the shared pool's blocks) and `shared` (one `kvshm serve
---vllm-model` coordinator).  Engines are pinned to their node's CPUs (and
-vLLM's OpenMP threads to the same CPUs); all start generating together.
+Workloads, routed round robin:
+
+- `chat` (the default): multi-turn conversations over a few shared system
+  prompts, so a conversation's next turn usually lands on another engine
+  (the case vLLM users running local replicas ask about); turn k of every
+  conversation forms wave k (one `generate()` call per engine).
+- `rag`: documents of 800-1,500 tokens, each asked 6 questions in a row
+  (kvshm.workers.traffic.rag), so every engine gets questions on the same
+  document together; each document's questions form a wave.
+- `unique`: the same lengths with nothing shared (`RagSpec(shared=False)`):
+  the control that shows what the pool itself costs.
+
+`--sequential` serves one request at a time per engine (every request its
+own `generate()` call): the plugin's cost per scheduler step and per
+request, with no batching to hide it.
+
+Runs, in this order, on the same streams: `isolated` (KVSHM_POOL unset;
+vLLM's own manager; each engine's pool has 1/N of the shared pool's blocks)
+and `shared` (one `kvshm serve --vllm-model` coordinator).  Engines are
+pinned to their node's CPUs (vLLM's OpenMP threads to the same CPUs,
+OMP_NUM_THREADS their number); the coordinator is not pinned; all engines
+start generating together.
 
 Reports per mode: TTFT p50/p99, generated tokens per second (all engines,
-wall clock), prefix hit rate (hit tokens / prompt tokens), and for the shared
-pool the extra hit tokens it gave (hits beyond the engine's own cache in the
-isolated run: prefixes another engine computed); checks that every request
-generated the same tokens in both modes.  Writes OUT/vllm.json and
-OUT/vllm.svg.
+wall clock to the last engine's exit), the generation time (the slowest
+engine's, start-up and exit excluded) and the engines' CPU time in it,
+scheduler steps, prefix hit rate (hit tokens / prompt tokens); for the
+shared pool the coordinator's CPU time, frames and ops per step, and the
+extra hit tokens it gave (hits beyond the engine's own cache in the isolated
+run: prefixes another engine computed); checks that every request generated
+the same tokens in both modes.  Writes OUT/vllm-WORKLOAD.json and
+OUT/vllm-WORKLOAD.svg (the TTFT distributions; needs matplotlib), with
+`-sequential` before the suffix for --sequential.
 """
 
 from __future__ import annotations
@@ -39,11 +56,15 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from kvshm.core.metrics import read_metrics  # noqa: E402
+from kvshm.core.segment import PoolSegment  # noqa: E402
 from kvshm.service.process import CoordinatorProcess  # noqa: E402
 from kvshm.vllm.model import model_pool_config, write_tiny_model  # noqa: E402
 from kvshm.workers.topology import format_cpulist, plan  # noqa: E402
+from kvshm.workers.traffic import RagSpec, rag  # noqa: E402
 
 BLOCK = 32
+WORKLOADS = ("chat", "rag", "unique")
 
 
 def streams(engines: int, conversations: int, turns: int, system_prompts: int,
@@ -67,8 +88,45 @@ def streams(engines: int, conversations: int, turns: int, system_prompts: int,
     return out
 
 
+def rag_streams(engines: int, shared: bool, seed: int, vocab: int) -> list[dict]:
+    """One workload per engine: RAG requests (traffic.rag), request i served
+    by engine i % N, each document's questions one wave."""
+    spec = RagSpec(seed=seed, vocab=vocab, shared=shared)
+    out = [{"phases": []} for _ in range(engines)]
+    for i, it in enumerate(rag(spec)):
+        doc, q = divmod(i, spec.questions)
+        phases = out[i % engines]["phases"]
+        if len(phases) <= doc:
+            phases.extend([] for _ in range(doc + 1 - len(phases)))
+        phases[doc].append({"id": it.rid, "prompt_ids": list(it.prompt),
+                            "max_tokens": spec.output_len})
+    return out
+
+
+def one_at_a_time(work: list[dict]) -> list[dict]:
+    """The same streams, every request its own phase (in order)."""
+    return [{"phases": [[r] for ph in wl["phases"] for r in ph]} for wl in work]
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of process `pid` so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def pool_counters(coord) -> dict:
+    """The coordinator's CPU time, frames and per-op counts so far."""
+    seg = PoolSegment.attach(coord.name)
+    try:
+        m = read_metrics(seg.metrics)
+    finally:
+        seg.close()
+    return {"cpu_s": cpu_seconds(coord.proc.pid), "frames": m["frames"],
+            "ops": {k: v["count"] for k, v in m["ops"].items() if v["count"]}}
+
+
 def run_mode(mode: str, args, model: Path, work: list[dict], tmp: Path, cpu_plan,
-             pool_socket: str | None, engine_blocks: int) -> dict:
+             coord, engine_blocks: int) -> dict:
     procs, outs = [], []
     go = tmp / f"{mode}.go"
     for e, wl in enumerate(work):
@@ -78,14 +136,15 @@ def run_mode(mode: str, args, model: Path, work: list[dict], tmp: Path, cpu_plan
         cpus = cpu_plan.workers[e].cpus
         env = {k: v for k, v in os.environ.items() if k not in ("KVSHM_POOL", "PYTHONHASHSEED")}
         env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="2",
-                   VLLM_CPU_OMP_THREADS_BIND=format_cpulist(cpus))
-        if pool_socket:
-            env["KVSHM_POOL"] = pool_socket
+                   VLLM_CPU_OMP_THREADS_BIND=format_cpulist(cpus),
+                   OMP_NUM_THREADS=str(len(cpus)))
+        if coord is not None:
+            env["KVSHM_POOL"] = str(coord.socket)
         argv = [sys.executable, "-m", "kvshm.vllm.engine", str(model), str(wl_path),
                 "--out", str(out), "--block-size", str(BLOCK),
                 "--max-num-seqs", str(args.max_num_seqs), "--dtype", args.dtype,
                 "--ready-file", str(tmp / f"{mode}-{e}.ready"), "--go-file", str(go)]
-        if not pool_socket:
+        if coord is None:
             argv += ["--num-blocks", str(engine_blocks)]
         log = open(tmp / f"{mode}-{e}.log", "w")
         procs.append(subprocess.Popen(argv, env=env, stdout=log, stderr=log,
@@ -98,6 +157,7 @@ def run_mode(mode: str, args, model: Path, work: list[dict], tmp: Path, cpu_plan
                 p.kill()
             raise RuntimeError(f"{mode}: an engine failed to start; see {tmp}/{mode}-*.log")
         time.sleep(0.05)
+    before = pool_counters(coord) if coord is not None else None
     t0 = time.perf_counter()
     go.touch()
     for e, p in enumerate(procs):
@@ -111,57 +171,75 @@ def run_mode(mode: str, args, model: Path, work: list[dict], tmp: Path, cpu_plan
     prompt_tokens = sum(len(q["prompt_ids"]) for wl in work for ph in wl["phases"] for q in ph)
     gen = sum(len(r["token_ids"]) for r in reqs)
     hits = sum(r["num_cached_tokens"] for r in reqs)
-    return {"mode": mode, "wall_s": wall, "requests": len(reqs),
-            "generated_tokens": gen, "tokens_per_s": gen / wall,
-            "ttft_p50_ms": 1e3 * statistics.median(ttft),
-            "ttft_p99_ms": 1e3 * ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))],
-            "hit_tokens": hits, "prompt_tokens": prompt_tokens, "hit_rate": hits / prompt_tokens,
-            "engines": [{"engine": e, "cpus": list(cpu_plan.workers[e].cpus),
-                         "startup_s": rep["startup_s"], "elapsed_s": rep["elapsed_s"],
-                         "manager": rep["manager"]} for e, rep in enumerate(reports)],
-            "per_request": {r["id"]: {"tokens": r["token_ids"], "cached": r["num_cached_tokens"],
-                                      "ttft_s": r["ttft_s"]} for r in reqs}}
+    steps = sum(rep["steps"] for rep in reports)
+    result = {
+        "mode": mode, "wall_s": wall, "requests": len(reqs),
+        "generated_tokens": gen, "tokens_per_s": gen / wall,
+        "ttft_p50_ms": 1e3 * statistics.median(ttft),
+        "ttft_p99_ms": 1e3 * ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))],
+        "generate_s": max(rep["elapsed_s"] for rep in reports),
+        "engine_cpu_s": sum(rep["cpu_s"] for rep in reports), "steps": steps,
+        "hit_tokens": hits, "prompt_tokens": prompt_tokens, "hit_rate": hits / prompt_tokens,
+        "engines": [{"engine": e, "cpus": list(cpu_plan.workers[e].cpus),
+                     "startup_s": rep["startup_s"], "elapsed_s": rep["elapsed_s"],
+                     "cpu_s": rep["cpu_s"], "minor_faults": rep["minor_faults"],
+                     "steps": rep["steps"], "plugin": rep["plugin"],
+                     "manager": rep["manager"]} for e, rep in enumerate(reports)],
+        "per_request": {r["id"]: {"tokens": r["token_ids"], "cached": r["num_cached_tokens"],
+                                  "ttft_s": r["ttft_s"]} for r in reqs}}
+    if coord is not None:
+        after = pool_counters(coord)
+        frames = after["frames"] - before["frames"]
+        result["coordinator"] = {
+            "cpu_s": after["cpu_s"] - before["cpu_s"], "frames": frames,
+            "frames_per_step": frames / steps if steps else None,
+            "ops": {k: n - before["ops"].get(k, 0) for k, n in after["ops"].items()
+                    if n > before["ops"].get(k, 0)}}
+    return result
 
 
-def svg(result: dict) -> str:
-    """A small bar chart: TTFT p50/p99 and tokens/s, isolated vs shared."""
-    modes = [result["isolated"], result["shared"]]
-    panels = [("TTFT p50 (ms)", "ttft_p50_ms"), ("TTFT p99 (ms)", "ttft_p99_ms"),
-              ("generated tokens/s", "tokens_per_s"), ("prefix hit rate (%)", "hit_rate")]
-    colors = {"isolated": "#8c8c8c", "shared": "#2b7bba"}
-    w, h, pad = 180, 220, 30
-    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w * len(panels)}" '
-             f'height="{h + 40}" font-family="sans-serif" font-size="12">']
-    for i, (title, key) in enumerate(panels):
-        x0 = i * w
-        vals = [m[key] * (100 if key == "hit_rate" else 1) for m in modes]
-        top = max(vals) or 1
-        parts.append(f'<text x="{x0 + w / 2}" y="16" text-anchor="middle">{title}</text>')
-        for j, (m, v) in enumerate(zip(modes, vals)):
-            bh = (h - 2 * pad) * v / top
-            bx = x0 + pad + j * 60
-            parts.append(f'<rect x="{bx}" y="{h - pad - bh}" width="45" height="{bh}" '
-                         f'fill="{colors[m["mode"]]}"/>')
-            parts.append(f'<text x="{bx + 22}" y="{h - pad - bh - 4}" '
-                         f'text-anchor="middle">{v:.1f}</text>')
-            parts.append(f'<text x="{bx + 22}" y="{h - pad + 14}" '
-                         f'text-anchor="middle">{m["mode"]}</text>')
-    parts.append(f'<text x="6" y="{h + 30}">{result["engines"]} vLLM engines, '
-                 f'{result["model"]} model ({result["dtype"]}), {result["conversations"]} '
-                 f'conversations x {result["turns"]} turns, round-robin; '
-                 f'tokens equal in both modes: {result["same_tokens"]}</text></svg>')
-    return "\n".join(parts)
+def plot(result: dict, path: Path) -> bool:
+    """The TTFT distribution of both modes (CDF) into `path` (SVG); False
+    when matplotlib is missing."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for mode, colour in (("isolated", "tab:orange"), ("shared", "tab:blue")):
+        r = result[mode]
+        ttft = sorted(1e3 * q["ttft_s"] for q in r["per_request"].values())
+        ax.step(ttft, [(i + 1) / len(ttft) for i in range(len(ttft))], where="post",
+                color=colour, label=f"{mode}: p50 {r['ttft_p50_ms']:.0f} ms, "
+                f"{r['tokens_per_s']:.0f} tokens/s, hit rate {100 * r['hit_rate']:.0f}%")
+    how = "one request at a time per engine" if result["sequential"] else "round robin"
+    ax.set(title=f"{result['workload']}: {result['engines']} vLLM engines, {result['model']} "
+           f"model ({result['dtype']}), {result['requests']} requests, {how}",
+           xlabel="time to first token (ms)", ylabel="fraction of requests")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right", fontsize=8)
+    ax.text(0.01, 0.97, f"same tokens in both modes: {result['same_tokens']}",
+            transform=ax.transAxes, va="top", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return True
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--workload", choices=WORKLOADS, default="chat")
+    ap.add_argument("--sequential", action="store_true",
+                    help="one request at a time per engine (each its own generate() call)")
     ap.add_argument("--engines", type=int, default=2)
     ap.add_argument("--model", choices=("tiny", "small"), default="small",
                     help="the Llama to write (config and seeded weights)")
-    ap.add_argument("--conversations", type=int, default=16)
-    ap.add_argument("--turns", type=int, default=4, help="one wave (generate() call) each")
-    ap.add_argument("--system-prompts", type=int, default=4)
-    ap.add_argument("--system-len", type=int, default=512, help="tokens")
+    ap.add_argument("--conversations", type=int, default=16, help="chat")
+    ap.add_argument("--turns", type=int, default=4, help="chat: one wave (generate() call) each")
+    ap.add_argument("--system-prompts", type=int, default=4, help="chat")
+    ap.add_argument("--system-len", type=int, default=512, help="chat: tokens")
     ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="float32",
                     help="model and KV dtype (float32, the default, makes reused K/V "
                     "bit-equal to recomputed K/V, so tokens must match; in bfloat16 the "
@@ -180,18 +258,25 @@ def main(argv=None) -> int:
         tmp = Path(d)
         model = write_tiny_model(tmp / "model", args.model)
         vocab = json.loads((model / "config.json").read_text())["vocab_size"]
-        work = streams(args.engines, args.conversations, args.turns, args.system_prompts,
-                       args.system_len, args.seed, vocab)
+        if args.workload == "chat":
+            work = streams(args.engines, args.conversations, args.turns, args.system_prompts,
+                           args.system_len, args.seed, vocab)
+        else:
+            work = rag_streams(args.engines, args.workload == "rag", args.seed, vocab)
+        if args.sequential:
+            work = one_at_a_time(work)
         config = model_pool_config(model, kv_memory=args.kv_memory << 20, block_size=BLOCK,
                                    max_model_len=4096, dtype=args.dtype)
-        result = {"engines": args.engines, "model": args.model, "dtype": args.dtype,
-                  "conversations": args.conversations, "turns": args.turns,
+        result = {"workload": args.workload, "sequential": args.sequential,
+                  "engines": args.engines, "model": args.model, "dtype": args.dtype,
+                  "requests": sum(len(ph) for wl in work for ph in wl["phases"]),
                   "pool_blocks": config.num_blocks, "plan_notes": cpu_plan.notes}
+        if args.workload == "chat":
+            result.update(conversations=args.conversations, turns=args.turns)
         result["isolated"] = run_mode("isolated", args, model, work, tmp, cpu_plan, None,
                                       config.num_blocks // args.engines)
         with CoordinatorProcess(config) as coord:
-            result["shared"] = run_mode("shared", args, model, work, tmp, cpu_plan,
-                                        str(coord.socket), 0)
+            result["shared"] = run_mode("shared", args, model, work, tmp, cpu_plan, coord, 0)
     iso, sh = result["isolated"]["per_request"], result["shared"]["per_request"]
     result["same_tokens"] = all(iso[k]["tokens"] == sh[k]["tokens"] for k in iso)
     result["differing_requests"] = sorted(k for k in iso if iso[k]["tokens"] != sh[k]["tokens"])
@@ -201,15 +286,25 @@ def main(argv=None) -> int:
         r = result[mode]
         print(f"{mode:>9}: TTFT p50 {r['ttft_p50_ms']:7.1f} ms  p99 {r['ttft_p99_ms']:7.1f} ms  "
               f"{r['tokens_per_s']:7.1f} tokens/s  hit rate {100 * r['hit_rate']:5.1f}%  "
-              f"wall {r['wall_s']:.2f} s")
-    print(f"shared/isolated: TTFT p50 "
-          f"{result['shared']['ttft_p50_ms'] / result['isolated']['ttft_p50_ms']:.2f}x, "
-          f"tokens/s {result['shared']['tokens_per_s'] / result['isolated']['tokens_per_s']:.2f}x;"
-          f" extra hit tokens from other engines {result['extra_hit_tokens_from_sharing']}; "
-          f"same tokens in both modes: {result['same_tokens']}")
-    (out / "vllm.json").write_text(json.dumps(result, indent=1))
-    (out / "vllm.svg").write_text(svg(result))
-    print(f"wrote {out / 'vllm.json'} and {out / 'vllm.svg'}")
+              f"wall {r['wall_s']:.2f} s  generating {r['generate_s']:.2f} s "
+              f"(engines' CPU {r['engine_cpu_s']:.2f} s, {r['steps']} steps)")
+    c = result["shared"]["coordinator"]
+    print(f"coordinator: CPU {c['cpu_s']:.2f} s, {c['frames']} frames "
+          f"({c['frames_per_step']:.2f} per step), ops {c['ops']}")
+    iso_r, sh_r = result["isolated"], result["shared"]
+    print(f"shared/isolated: TTFT p50 {sh_r['ttft_p50_ms'] / iso_r['ttft_p50_ms']:.2f}x, "
+          f"tokens/s {sh_r['tokens_per_s'] / iso_r['tokens_per_s']:.2f}x, generating "
+          f"{sh_r['generate_s'] / iso_r['generate_s']:.2f}x; extra hit tokens from other "
+          f"engines {result['extra_hit_tokens_from_sharing']}; same tokens in both modes: "
+          f"{result['same_tokens']}")
+    stem = f"vllm-{args.workload}{'-sequential' if args.sequential else ''}"
+    (out / f"{stem}.json").write_text(json.dumps(result, indent=1))
+    wrote = [out / f"{stem}.json"]
+    if plot(result, out / f"{stem}.svg"):
+        wrote.append(out / f"{stem}.svg")
+    else:
+        print("note: no TTFT plot (matplotlib is not installed)")
+    print("wrote " + " and ".join(map(str, wrote)))
     return 0 if result["same_tokens"] else 1
 
 

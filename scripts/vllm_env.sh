@@ -28,7 +28,7 @@ TORCH_VERSION=2.9.1
 KVSHM_VENV=${KVSHM_VLLM_VENV:-$REPO/.venv-vllm}
 # Engines need kvshm and ml_dtypes (bfloat16 arenas), not the test tools:
 # pytest runs in .venv.
-KVSHM_EXTRAS=${KVSHM_VLLM_EXTRAS:-bf16}
+KVSHM_EXTRAS=${KVSHM_VLLM_EXTRAS:-bf16,plot}
 source "$REPO/scripts/_venv.sh"
 
 stamp="$VENV/.vllm-installed"

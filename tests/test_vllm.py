@@ -200,6 +200,26 @@ def test_engines_share_the_pool_the_prefix_cache_and_the_kv_bytes(model_dir, tmp
     assert len(changed) >= 8, changed
 
 
+def test_an_engine_alone_on_a_pool_gets_vllm_s_hits(model_dir, tmp_path, pool):
+    # Requests over two shared prefixes in two phases, two of them exact
+    # duplicates: within a phase the requests sharing a prefix are scheduled
+    # in one step, and all but the first hit blocks that step caches.
+    wl = shared_prefix_workload(seed=11)
+    own = start_engine(model_dir, wl, tmp_path, "own", pool=None,
+                       extra=("--num-blocks", str(pool_stats(pool)["num_blocks"])))
+    alone = run_engine(model_dir, wl, tmp_path, "alone", pool=str(pool.socket))
+    own = finish(own)
+    assert own["manager"] == "vllm.v1.core.kv_cache_manager.KVCacheManager"
+    same_step = [r["id"] for r in own["requests"] if r["phase"] == 0 and r["num_cached_tokens"]]
+    assert len(same_step) >= 4, same_step
+    # Token for token and hit for hit what vLLM's own manager gives.
+    assert outputs(alone) == outputs(own)
+    assert alone["counters"] == own["counters"]
+    # Most decode steps needed no round trip for their allocation.
+    assert alone["plugin"]["local_allocations"] > alone["steps"] // 2
+    assert pool_stats(pool)["num_requests"] == 0
+
+
 def test_an_engine_that_does_not_fit_the_pool_is_refused(model_dir, tmp_path, pool):
     a_wl, _ = prefix_workloads()
     runs = [start_engine(model_dir, a_wl, tmp_path, name, pool=target, extra=extra, env=env)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import sys
 import time
 from pathlib import Path
@@ -79,6 +80,32 @@ def manager_name(llm) -> str:
     return f"{m.__module__}.{m.__qualname__}"
 
 
+def count_steps(llm) -> list[int]:
+    """Count the engine's steps (one scheduler step each) from now on: the
+    returned one-item list holds the count."""
+    engine, count = llm.llm_engine, [0]
+    step = engine.step
+
+    def counted_step(*a, **kw):
+        count[0] += 1
+        return step(*a, **kw)
+
+    engine.step = counted_step
+    return count
+
+
+def plugin_counters() -> dict:
+    """The kvshm backend's counters (allocations answered without a round
+    trip, stale hits, waits for tokens in flight), when this process has a
+    shared pool's backend; else {}."""
+    if not os.environ.get("KVSHM_POOL", "").strip():
+        return {}
+    from kvshm.vllm.binding import current_binding
+    backend = current_binding().backend
+    names = ("local_allocations", "stale_hits", "in_flight_waits")
+    return {n: getattr(backend, n) for n in names if hasattr(backend, n)}
+
+
 def run(args) -> dict:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
@@ -97,7 +124,9 @@ def run(args) -> dict:
         listener = EventCollector(args.kv_events)
         time.sleep(0.5)          # the subscription reaches the engine's publisher
     results = []
-    t1 = time.perf_counter()
+    steps = count_steps(llm)
+    t1, cpu1 = time.perf_counter(), time.process_time()
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     for i, phase in enumerate(workload["phases"]):
         if i and args.pause_file:
             while not os.path.exists(args.pause_file):
@@ -114,8 +143,10 @@ def run(args) -> dict:
         if args.phase_done:
             Path(f"{args.phase_done}.{i}").touch()
     report = {"pool": os.environ.get("KVSHM_POOL", ""), "startup_s": startup,
-              "elapsed_s": time.perf_counter() - t1, "requests": results,
-              "counters": counters(llm), "manager": manager_name(llm)}
+              "elapsed_s": time.perf_counter() - t1, "cpu_s": time.process_time() - cpu1,
+              "minor_faults": resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults,
+              "steps": steps[0], "requests": results, "counters": counters(llm),
+              "manager": manager_name(llm), "plugin": plugin_counters()}
     if listener is not None:
         time.sleep(0.5)          # the last step's batch is on its way
         listener.stop()

@@ -8,15 +8,24 @@ that needs them.  Full blocks are cached when they are allocated, as by
 vLLM's own manager, so this engine hits them in the same step; the pool
 keeps them pending (invisible to other engines) until this engine says
 their K/V are in the arena: `step_computed` queues that word for the
-request, and the next frame this engine sends carries it (no round trip of
-its own).
+request when its step completed a block, and the next frame this engine
+sends carries it (no round trip of its own).
+
+Calls the backend can answer from what it holds cost no round trip: a
+running request's allocation that needs no new block and caches no new
+block (most decode steps; its new tokens travel with its next frame), and
+the scheduler's per-step `get_num_common_prefix_blocks` (from the block
+ids the backend keeps).
 
 A waiting request whose lookup stops where another engine is writing at
 least `wait_in_flight` more of its tokens waits for them, up to
 `in_flight_deadline` seconds: its allocation answers None, which vLLM's
 scheduler takes as a full pool (the request stays first in line and is
 looked up again next step; the waiting requests behind it wait too, as
-they would for free blocks).  Runs inside vLLM processes only (no vLLM
+they would for free blocks).  While it waits it is looked up again at most
+every `in_flight_poll` seconds, and a step that schedules nothing else
+sleeps until then (vLLM's engine loop would otherwise spin through empty
+steps, each with a round trip).  Runs inside vLLM processes only (no vLLM
 import here, though).
 """
 
@@ -39,31 +48,40 @@ log = logging.getLogger("kvshm.vllm")
 # added (no window drops blocks, no sink blocks): the backend keeps a
 # request's block ids itself instead of asking for them.
 _GROWING = (FullSpec, MLASpec, CrossAttentionSpec)
+# Groups where an allocation that needs no new block and caches no new block
+# changes nothing in the pool (cross-attention allocates for encoder tokens).
+_LOCAL = (FullSpec, MLASpec)
 
 
 class _Sent:
     """What the coordinator knows of one request."""
 
-    __slots__ = ("num_tokens", "num_hashes", "computed")
+    __slots__ = ("num_tokens", "num_hashes", "computed", "cached")
 
     def __init__(self, num_tokens: int, num_hashes: int, computed: int) -> None:
         self.num_tokens = num_tokens
         self.num_hashes = num_hashes
         self.computed = computed
+        # The most tokens an allocation (or cache_blocks) asked the pool to
+        # cache: it holds this request's full blocks up to here.
+        self.cached = 0
 
 
 class RemoteBackend:
     """A vLLM engine's session with a coordinator (see the module doc)."""
 
     def __init__(self, client: SyncClient, *, wait_in_flight: int = 128,
-                 in_flight_deadline: float = 2.0) -> None:
+                 in_flight_deadline: float = 2.0, in_flight_poll: float = 0.002) -> None:
         self.client = client
         self.wait_in_flight = wait_in_flight
         self.in_flight_deadline = in_flight_deadline
-        # Per waiting request: the tokens in flight its last lookup saw, and
-        # until when it may wait for them.
+        self.in_flight_poll = in_flight_poll
+        # Per waiting request: the tokens in flight its last lookup saw,
+        # until when it may wait for them, and its last lookup (when, and
+        # its answer).
         self._in_flight: dict[str, int] = {}
         self._wait_until: dict[str, float] = {}
+        self._looked_up: dict[str, tuple[float, list[list[int]], int, int]] = {}
         self.in_flight_waits = 0     # requests that waited for tokens in flight
         self.config: PoolConfig = client.config
         self.num_blocks = self.config.num_blocks
@@ -77,6 +95,11 @@ class RemoteBackend:
         self._computed: list = []
         self._mirror: dict[str, list[list[int]]] | None = (
             {} if all(isinstance(g, _GROWING) for g in self.config.groups) else None)
+        self._block_sizes = [self.config.effective_block_size(g)
+                             for g in range(len(self.config.groups))]
+        self._local = self._mirror is not None and all(
+            isinstance(g, _LOCAL) for g in self.config.groups)
+        self.local_allocations = 0   # allocations answered without a round trip
         self.stale_hits = 0          # allocations retried because another engine took the hit
         self._warned: set[str] = set()
 
@@ -124,11 +147,24 @@ class RemoteBackend:
     # -- the manager's calls ---------------------------------------------------------------
     def get_computed_blocks(self, request) -> tuple[list[list[int]], int]:
         rid = request.request_id
+        last = self._looked_up.get(rid) if rid in self._wait_until else None
+        if last is not None:
+            when, ids, n, in_flight = last
+            now = time.monotonic()
+            if now < when + self.in_flight_poll:
+                if self._step_start:             # other requests run this step
+                    self._in_flight[rid] = in_flight
+                    return ids, n
+                if not self._computed:           # else this step would be empty
+                    time.sleep(when + self.in_flight_poll - now)
         r = self._run(self._sync(request) + [p.GetComputedBlocks(rid)])
         if r.num_in_flight_tokens:
             self._in_flight[rid] = r.num_in_flight_tokens
+            self._looked_up[rid] = (time.monotonic(), r.block_ids, r.num_computed_tokens,
+                                    r.num_in_flight_tokens)
         else:
             self._in_flight.pop(rid, None)
+            self._looked_up.pop(rid, None)
         return r.block_ids, r.num_computed_tokens
 
     def _waits(self, rid: str) -> bool:
@@ -137,6 +173,7 @@ class RemoteBackend:
         n = self._in_flight.pop(rid, 0)
         if not 0 < self.wait_in_flight <= n:
             self._wait_until.pop(rid, None)
+            self._looked_up.pop(rid, None)
             return False
         now = time.monotonic()
         until = self._wait_until.get(rid)
@@ -147,6 +184,7 @@ class RemoteBackend:
         if now < until:
             return True
         del self._wait_until[rid]
+        self._looked_up.pop(rid, None)
         return False
 
     def allocate_slots(self, request, num_new_tokens, num_new_computed_tokens, hits,
@@ -155,6 +193,13 @@ class RemoteBackend:
         rid = request.request_id
         if self._in_flight and self._waits(rid):     # (only lookups set _in_flight)
             return None
+        total = request.num_computed_tokens + num_new_computed_tokens
+        if (hits is None and not num_external_computed_tokens and not num_encoder_tokens
+                and self._unchanged(request, total, num_new_tokens + num_lookahead_tokens,
+                                    delay_cache_blocks)):
+            self.local_allocations += 1
+            self._step_start[rid] = total
+            return [[] for _ in self._block_sizes]
         ops = self._sync(request) + [p.AllocateSlots(
             rid, num_new_tokens, num_new_computed_tokens, hits is not None,
             num_lookahead_tokens, num_external_computed_tokens, delay_cache_blocks,
@@ -169,6 +214,10 @@ class RemoteBackend:
             return None
         if new is None:
             return None
+        if not delay_cache_blocks:
+            sent = self._sent[rid]
+            sent.cached = max(sent.cached, min(total + num_external_computed_tokens
+                                               + num_new_tokens, request.num_tokens))
         if self._mirror is not None:
             held = self._mirror.get(rid)
             if held is None:
@@ -176,31 +225,64 @@ class RemoteBackend:
             else:
                 for h, n in zip(held, new):
                     h.extend(n)
-        self._step_start[rid] = (request.num_computed_tokens + num_new_computed_tokens
-                                 + num_external_computed_tokens)
+        self._step_start[rid] = total + num_external_computed_tokens
         return new
+
+    def _unchanged(self, request, total: int, num_slots: int, delay_cache_blocks: bool) -> bool:
+        """Whether allocating `num_slots` more slots to a running request
+        with `total` computed tokens would change nothing in the pool: it
+        holds the blocks already, and caches no block it has not cached.
+        Only with nothing queued for the pool (so that computed counts
+        reach it in the step after their step)."""
+        if not self._local or self._computed:
+            return False
+        rid = request.request_id
+        held = self._mirror.get(rid)
+        sent = self._sent.get(rid)
+        if held is None or sent is None:
+            return False
+        max_len = self.config.max_model_len
+        total = min(total, max_len)
+        need = min(total + num_slots, max_len)
+        cache = min(total + num_slots, request.num_tokens)
+        for bs, blocks in zip(self._block_sizes, held):
+            if -(-need // bs) > len(blocks):
+                return False
+            if not delay_cache_blocks and cache // bs > sent.cached // bs:
+                return False
+        return True
 
     def step_computed(self, num_scheduled_tokens: dict[str, int]) -> None:
         """The forward pass of a step wrote the K/V of its requests' scheduled
         tokens (`num_scheduled_tokens`: request id -> tokens): their blocks
         become hits for every engine once the next frame says so."""
         start = self._step_start
+        sizes = self._block_sizes
         for rid, n in num_scheduled_tokens.items():
             c = start.pop(rid, None)
             sent = self._sent.get(rid)
-            if c is not None and sent is not None and c + n > sent.computed:
+            # Only a step that completed a block has news for other engines
+            # (the pool's count of the request's tokens must cover it; it
+            # does whenever the step cached that block); any other count
+            # travels with the request's next op.
+            if (c is not None and sent is not None and c + n > sent.computed
+                    and c + n <= sent.num_tokens
+                    and any((c + n) // bs > sent.computed // bs for bs in sizes)):
                 sent.computed = c + n
                 self._computed.append(p.Advance(rid, c + n))
         start.clear()
 
     def cache_blocks(self, request, num_computed_tokens: int) -> None:
         self._run(self._sync(request) + [p.CacheBlocks(request.request_id, num_computed_tokens)])
+        sent = self._sent[request.request_id]
+        sent.cached = max(sent.cached, num_computed_tokens)
 
     def free(self, request) -> None:
         rid = request.request_id
         self._step_start.pop(rid, None)
         self._in_flight.pop(rid, None)
         self._wait_until.pop(rid, None)
+        self._looked_up.pop(rid, None)
         if self._mirror is not None:
             self._mirror.pop(rid, None)
         if rid not in self._sent:
@@ -226,7 +308,25 @@ class RemoteBackend:
         return self.client.get_block_ids(request_id)
 
     def get_num_common_prefix_blocks(self, request_id: str) -> list[int]:
-        return self.client.get_num_common_prefix_blocks(request_id)
+        """Per group, the leading blocks of the request that every request of
+        this engine holding blocks holds too (vLLM's count, over this
+        engine's requests; only cascade attention reads it)."""
+        held = None if self._mirror is None else self._mirror.get(request_id)
+        if held is None:
+            return self.client.get_num_common_prefix_blocks(request_id)
+        counts = [len(h) for h in held]
+        for other in self._mirror.values():
+            if other is held:
+                continue
+            for g, (mine, theirs) in enumerate(zip(held, other)):
+                n = min(counts[g], len(theirs))
+                i = 0
+                while i < n and mine[i] == theirs[i]:
+                    i += 1
+                counts[g] = i
+            if not any(counts):
+                break
+        return counts
 
     def evict_blocks(self, block_ids: list[int]) -> None:
         try:
