@@ -53,7 +53,7 @@ from kvshm.core.shm import check_shm_space
 from kvshm.core.specs import KV_DTYPES, KVShape, PoolConfig
 from kvshm.numa import POLICIES, LibNuma, mapped_pages, place
 from kvshm.workers.channel import WorkloadSpec
-from kvshm.workers.engine import EngineOptions, EngineStats
+from kvshm.workers.engine_types import EngineOptions, EngineStats
 from kvshm.workers.launcher import Launch, LaunchOptions, RunResult
 from kvshm.workers.topology import Node, Plan, allowed_cpus, discover, format_cpulist
 from kvshm.workers.topology import plan as plan_nodes

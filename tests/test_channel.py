@@ -24,7 +24,7 @@ from kvshm.workers.channel import (
     emit,
     read_report,
 )
-from kvshm.workers.engine import EngineOptions, EngineStats
+from kvshm.workers.engine_types import EngineOptions, EngineStats
 from kvshm.workers.launcher import Launch, LaunchOptions, RunResult, WorkerResult, make_plan
 from kvshm.workers.traffic import SyntheticSpec
 

@@ -152,7 +152,7 @@ def test_a_run_that_rejects_most_of_its_workload_is_failed():
 
 def test_a_run_that_finishes_nothing_is_failed():
     from kvshm.config import preset_config
-    from kvshm.workers.engine import EngineStats
+    from kvshm.workers.engine_types import EngineStats
     from kvshm.workers.launcher import LaunchOptions, RunResult, WorkerResult
     from kvshm.workers.run import _problems
     workers = [WorkerResult(index=0, cpus=(0,), status="done",

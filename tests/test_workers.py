@@ -19,7 +19,8 @@ from kvshm.core.check import check_segment
 from kvshm.core.errors import SegmentError
 from kvshm.core.specs import FullSpec, KVShape, MambaSpec, SlidingWindowSpec
 from kvshm.service.client import connect
-from kvshm.workers.engine import Engine, EngineOptions, UnsupportedModel, check_supported
+from kvshm.workers.engine import Engine, UnsupportedModel, check_supported
+from kvshm.workers.engine_types import EngineOptions
 from kvshm.workers.traffic import Item, SyntheticSpec, assign, synthetic
 
 BS = 16

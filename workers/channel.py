@@ -19,7 +19,7 @@ from typing import Literal, Union
 import msgspec
 
 from kvshm.core.hashing import DEFAULT_HASH_ALGORITHM, DEFAULT_HASH_SEED
-from kvshm.workers.engine import EngineOptions, EngineStats
+from kvshm.workers.engine_types import EngineOptions, EngineStats
 from kvshm.workers.traffic import RagSpec, SyntheticSpec
 
 

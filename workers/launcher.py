@@ -33,7 +33,7 @@ from kvshm.workers.channel import (
     WorkloadSpec,
     read_report,
 )
-from kvshm.workers.engine import EngineOptions, EngineStats
+from kvshm.workers.engine_types import EngineOptions, EngineStats
 from kvshm.workers.turns import TurnBoard
 from kvshm.workers.topology import (
     Node,

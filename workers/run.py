@@ -18,7 +18,7 @@ from kvshm.core.errors import KvshmError
 from kvshm.core.hashing import DEFAULT_HASH_ALGORITHM, DEFAULT_HASH_SEED
 from kvshm.workers.channel import WorkloadSpec
 from kvshm.workers.compute import MODELS
-from kvshm.workers.engine import EngineOptions
+from kvshm.workers.engine_types import EngineOptions
 from kvshm.workers.launcher import (
     LaunchOptions,
     RunResult,

@@ -53,7 +53,8 @@ async def wait_for_start() -> None:
 async def serve_worker(spec: WorkerSpec) -> int:
     from kvshm.service.client import connect
     from kvshm.service.resume import Reconnect
-    from kvshm.workers.engine import Engine, EngineStats
+    from kvshm.workers.engine import Engine
+    from kvshm.workers.engine_types import EngineStats
 
     client = await connect(spec.socket, node=spec.node, hash_algorithm=spec.hash_algorithm,
                            hash_seed=spec.hash_seed,
