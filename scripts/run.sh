@@ -9,6 +9,6 @@
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/_venv.sh"
 if [ "$#" -eq 0 ]; then
-  set -- --compare --requests 40 --duration 300
+  set -- --compare --requests 80 --duration 300
 fi
 exec "$VENV/bin/kvshm" run "$@"

@@ -192,12 +192,19 @@ def test_a_fixed_amount_of_work_gives_a_speedup_ttft_and_a_plot(tmp_path):
     doc = json.loads(out.read_text())
     shared, isolated = doc["runs"]
     assert shared["requests"] == isolated["requests"] == 8
-    assert doc["speedup"] == pytest.approx(isolated["seconds"] / shared["seconds"])
+    # Serving time: from the workers' start together to the last one's end,
+    # their start-up (the coordinator, processes, model weights) excluded.
+    assert doc["speedup"] == pytest.approx(isolated["serving_seconds"]
+                                           / shared["serving_seconds"])
     for r in (shared, isolated):
         assert 0 < r["ttft_ms_p50"] <= r["ttft_ms_p99"] and r["requests_per_s"] > 0
+        assert 0 <= r["queue_ms_p50"] <= r["ttft_ms_p50"]
+        assert 0 < r["serving_seconds"] < r["seconds"]
+        assert r["serving_seconds"] == max(w["seconds"] for w in r["workers"])
         assert r["timeline"] and r["timeline"][-1][1] == r["prompt_tokens"]
-    assert re.search(r"speedup \d+\.\d\dx \(isolated [\d.]+ s / shared [\d.]+ s, same "
-                     r"work\): shared computed", proc.stdout), proc.stdout
+    assert re.search(r"speedup \d+\.\d\dx \(isolated [\d.]+ s / shared [\d.]+ s serving, "
+                     r"same work\): shared computed", proc.stdout), proc.stdout
+    assert re.search(r"== shared pool: [\d.]+s serving after [\d.]+s of start-up", proc.stdout)
     assert "time to first token p50 ms" in proc.stdout
     assert re.search(r"the same decode work in both\); time to first token p50 [\d,]+ vs "
                      r"[\d,]+ ms \(", proc.stdout), proc.stdout

@@ -136,3 +136,22 @@ def test_mismatching_blocks_within_the_tolerance():
     assert mismatching_blocks_within(arena, [1, 2], bs, want_k, want_v) == []
     arena[2, 1, 1, 3, 0, 5] += 1.0                  # one V element of block 2
     assert mismatching_blocks_within(arena, [1, 2], bs, want_k, want_v) == [1]
+
+
+def test_a_step_runs_prefill_chunks_and_decode_tokens_in_one_pass():
+    """`step` is `forward_batch` of the segments and `decode` of the decode
+    tokens, in one pass (the engine's fused step), within float32 rounding."""
+    m = model()
+    seqs = [list(range(10, 47)), list(range(300, 305))]
+    view, tables = paged(m, seqs)
+    prompt = list(range(500, 530))
+    k0, v0, _ = m.forward(prompt[:12], 0)
+    segments = [(prompt[12:], 12, k0, v0), (list(range(60, 69)), 0, None, None)]
+    outs, (k, v, h) = m.step(segments, ([1, 2], [len(t) for t in seqs], view, tables))
+    for (ko, vo, ho), (kr, vr, hr) in zip(outs, m.forward_batch(segments)):
+        assert rel_err(ko, kr) < TOLERANCE / 10 and rel_err(vo, vr) < TOLERANCE / 10
+        assert rel_err(ho, hr) < TOLERANCE / 10
+    kd, vd, hd = m.decode([1, 2], [len(t) for t in seqs], view, tables)
+    assert rel_err(k, kd) < TOLERANCE / 10 and rel_err(h, hd) < TOLERANCE / 10
+    assert m.step([]) == ([], None)
+    assert m.step(segments)[1] is None

@@ -368,6 +368,7 @@ class Engine:
         seq.scheduled = res.num_new_tokens
         if not seq.admitted_once:
             seq.admitted_once = True
+            st.queue_ms.append(int((time.monotonic() - seq.arrived) * 1000))
             st.prompt_tokens += seq.prompt_len
             st.hit_tokens += min(res.num_computed_tokens, seq.prompt_len)
         # Hits on blocks another request of this step writes: computed (and

@@ -62,7 +62,7 @@ class WorkerResult(msgspec.Struct, kw_only=True):
 
     def to_dict(self) -> dict:
         stats = msgspec.to_builtins(self.stats)
-        del stats["batch_us"], stats["ttft_ms"]
+        del stats["batch_us"], stats["ttft_ms"], stats["queue_ms"]
         return {"index": self.index, "cpus": list(self.cpus), "affinity": list(self.affinity),
                 "pid": self.pid, "session": self.session, "status": self.status,
                 "message": self.message, **stats,
@@ -79,6 +79,14 @@ class RunResult(msgspec.Struct, kw_only=True):
     restarts: list[dict] = []     # the coordinators' restarts
     # Every TIMELINE_PERIOD s: (seconds, prompt tokens, hit tokens, tokens served)
     timeline: list[tuple[float, int, int, int]] = []
+
+    @property
+    def serving_seconds(self) -> float:
+        """From the workers' start (together, once all are Ready) to the
+        last one's end: the time the workload took, without the start-up
+        (coordinator, worker processes, model weights) the wall time also
+        holds."""
+        return max((w.seconds for w in self.workers), default=0.0) or self.seconds
 
     @property
     def totals(self) -> EngineStats:
@@ -104,7 +112,8 @@ class RunResult(msgspec.Struct, kw_only=True):
         lat = sorted(t.batch_us)
         stalls = sorted(t.stalls_ms)
         return {
-            "mode": self.mode, "seconds": self.seconds, "interrupted": self.interrupted,
+            "mode": self.mode, "seconds": self.seconds,
+            "serving_seconds": self.serving_seconds, "interrupted": self.interrupted,
             "num_blocks": self.config.num_blocks,
             "requests": t.finished, "aborted": t.aborted, "rejected": t.rejected,
             "prompt_tokens": t.prompt_tokens, "generated_tokens": t.generated_tokens,
@@ -121,7 +130,8 @@ class RunResult(msgspec.Struct, kw_only=True):
             "step_batch_us_p50": percentile(lat, 50), "step_batch_us_p99": percentile(lat, 99),
             "ttft_ms_p50": percentile(sorted(t.ttft_ms), 50),
             "ttft_ms_p99": percentile(sorted(t.ttft_ms), 99),
-            "requests_per_s": t.finished / self.seconds if self.seconds else 0.0,
+            "queue_ms_p50": percentile(sorted(t.queue_ms), 50),
+            "requests_per_s": t.finished / self.serving_seconds if self.serving_seconds else 0.0,
             "coordinator_restarts": len(self.restarts), "restarts": self.restarts,
             "requests_resumed": t.requests_resumed, "requests_lost": t.requests_lost,
             "recomputed_tokens": t.recomputed_tokens,

@@ -76,7 +76,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--assign", choices=("round-robin", "hash"), default="round-robin",
                     help="how requests go to workers (hash keeps a conversation on one)")
     ap.add_argument("--seed", type=int, default=0, help="workload and model seed")
-    ap.add_argument("--token-budget", type=int, default=512, help="tokens per scheduler step")
+    ap.add_argument("--token-budget", type=int, default=2048,
+                    help="tokens per scheduler step (2,048: vLLM's default for a server on CPU)")
     ap.add_argument("--max-running", type=int, default=16, help="running requests per worker (16)")
     ap.add_argument("--model", choices=MODELS, default=DEFAULT_MODEL,
                     help="what the workers compute: 'transformer' (default: a decoder stack "
@@ -213,7 +214,7 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
         connect=args.connect, hash_algorithm=args.hash_algorithm, hash_seed=args.hash_seed,
         workload=workload, engine=engine, pin=not args.no_pin, kill_worker=args.kill_worker,
         kill_after=args.kill_after, kill_coordinator_every=args.kill_coordinator_every,
-        reconnect_timeout=args.reconnect_timeout,
+        reconnect_timeout=args.reconnect_timeout, start_together=True,
         live=not args.quiet)
 
 
@@ -356,10 +357,11 @@ def summary(res: RunResult, profile: dict | None = None,
     workload's (workload_size), if known."""
     t = res.totals
     lat = res.latencies
-    secs = max(res.seconds, 1e-9)
+    secs = max(res.serving_seconds, 1e-9)
     prompt, hit, cross = t.prompt_tokens, t.hit_tokens, t.cross_hit_tokens
     out = [f"== {res.mode} pool{' (interrupted)' if res.interrupted else ''}: "
-           f"{res.seconds:.1f}s (integrity checks {t.check_s:,.1f} CPU s of it, summed over "
+           f"{res.serving_seconds:.1f}s serving after {res.seconds - res.serving_seconds:.1f}s "
+           f"of start-up (integrity checks {t.check_s:,.1f} CPU s of it, summed over "
            f"workers), {len(res.workers)} workers, {res.config.num_blocks:,} "
            f"blocks per pool x {len(res.pools) or 1} pool(s)"]
     if profile:
@@ -381,7 +383,8 @@ def summary(res: RunResult, profile: dict | None = None,
            f"  allocation        step batch round trip p50 {percentile(lat, 50) or 0:,} us, "
            f"p99 {percentile(lat, 99) or 0:,} us over {len(lat):,} steps",
            f"  first token       p50 {percentile(sorted(t.ttft_ms), 50) or 0:,} ms, p99 "
-           f"{percentile(sorted(t.ttft_ms), 99) or 0:,} ms from arrival (queueing included)",
+           f"{percentile(sorted(t.ttft_ms), 99) or 0:,} ms from arrival (queueing included: p50 "
+           f"{percentile(sorted(t.queue_ms), 50) or 0:,} ms from arrival to admission)",
            f"  preemptions       {t.preemptions:,}",
            f"  prefixes in flight {t.in_flight_waits:,} requests waited for blocks another "
            f"worker was computing ({t.in_flight_timeouts:,} stopped waiting and computed "
@@ -444,7 +447,7 @@ def comparison(shared: RunResult, isolated: RunResult) -> str:
         return f"{r.hit_rate:.1%}"
 
     def tps(r, key):
-        return f"{getattr(r.totals, key) / max(r.seconds, 1e-9):,.0f}"
+        return f"{getattr(r.totals, key) / max(r.serving_seconds, 1e-9):,.0f}"
 
     def lat(r, q):
         return f"{percentile(r.latencies, q) or 0:,}"
@@ -455,7 +458,9 @@ def comparison(shared: RunResult, isolated: RunResult) -> str:
     rows = [
         "== shared vs isolated (same workload, same total blocks)",
         row("", "shared", "isolated"),
-        row("wall time s", f"{shared.seconds:,.1f}", f"{isolated.seconds:,.1f}"),
+        row("serving time s", f"{shared.serving_seconds:,.1f}",
+            f"{isolated.serving_seconds:,.1f}"),
+        row("wall time s (with start-up)", f"{shared.seconds:,.1f}", f"{isolated.seconds:,.1f}"),
         row("integrity checks CPU s", f"{shared.totals.check_s:,.1f}",
             f"{isolated.totals.check_s:,.1f}"),
         row("blocks checked", f"{_checked(shared):,}", f"{_checked(isolated):,}"),
@@ -468,8 +473,8 @@ def comparison(shared: RunResult, isolated: RunResult) -> str:
             f"{isolated.totals.cross_hit_tokens:,}"),
         row("requests finished", f"{shared.totals.finished:,}",
             f"{isolated.totals.finished:,}"),
-        row("requests/s", f"{shared.totals.finished / max(shared.seconds, 1e-9):,.2f}",
-            f"{isolated.totals.finished / max(isolated.seconds, 1e-9):,.2f}"),
+        row("requests/s", f"{shared.totals.finished / max(shared.serving_seconds, 1e-9):,.2f}",
+            f"{isolated.totals.finished / max(isolated.serving_seconds, 1e-9):,.2f}"),
         row("prompt tok/s served", tps(shared, "prompt_tokens"), tps(isolated, "prompt_tokens")),
         row("generated tok/s", tps(shared, "generated_tokens"),
             tps(isolated, "generated_tokens")),
@@ -499,19 +504,21 @@ def _checked(res: RunResult) -> int:
 
 
 def speedup(shared: RunResult, isolated: RunResult) -> float | None:
-    """Isolated wall time / shared wall time, when both did the same work
+    """Isolated serving time / shared serving time (start-up excluded: it
+    is the same with or without a shared pool), when both did the same work
     (every request of a --requests workload finished in both)."""
     s, i = shared.totals, isolated.totals
     same = s.finished == i.finished and not s.aborted and not i.aborted
-    return isolated.seconds / shared.seconds if same and shared.seconds else None
+    a, b = isolated.serving_seconds, shared.serving_seconds
+    return a / b if same and b else None
 
 
 def speedup_line(shared: RunResult, isolated: RunResult) -> str:
     """The speedup, and in one sentence where the difference comes from."""
     s, i = shared.totals, isolated.totals
     x = speedup(shared, isolated)
-    head = (f"speedup {x:.2f}x (isolated {isolated.seconds:.1f} s / shared "
-            f"{shared.seconds:.1f} s, same work)" if x is not None else
+    head = (f"speedup {x:.2f}x (isolated {isolated.serving_seconds:.1f} s / shared "
+            f"{shared.serving_seconds:.1f} s serving, same work)" if x is not None else
             "no speedup figure: the runs did different amounts of work (give --requests N "
             "and a --duration long enough for both to finish)")
     first = ""

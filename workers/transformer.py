@@ -36,6 +36,7 @@ from kvshm.workers.model import nonneg_int, positive_int
 # float16 rounding 5e-4, of bfloat16 4e-3; a corrupted block is ~1 off.
 TOLERANCE = 2e-2
 _ROPE_BASE = 10000.0
+_ATTENTION_TILE = 256   # query rows per pass of prefill attention
 _EPS = 1e-5
 # Llama-3-8B: 8.0B parameters (its embeddings included) over the 65,536 K/V
 # values a token adds to its cache (32 layers x K and V x 8 KV heads x 128).
@@ -151,11 +152,38 @@ class TransformerModel:
         return k, v, h
 
     def forward_batch(self, segments):
-        """`forward` for several requests at once, as an engine runs a step:
-        the projections and the MLP see every segment's tokens in one matrix
-        product (decode tokens batch well), attention runs per segment.
-        `segments`: [(tokens, start, prefix_k, prefix_v)]; returns one
-        (k, v, hidden) per segment."""
+        """`forward` for several requests at once (`step` without decode
+        tokens): returns one (k, v, hidden) per segment."""
+        return self.step(segments)[0]
+
+    def decode(self, tokens, positions, view: np.ndarray, tables):
+        """`step` with decode tokens only: returns their (k, v, hidden)."""
+        return self.step([], (tokens, positions, view, tables))[1]
+
+    def step(self, segments, decode=None):
+        """One engine step: every segment's tokens and every decode token in
+        one forward pass, as an engine with chunked prefill runs a step.  The
+        projections and the MLP see all of them in one matrix product, so
+        decode tokens riding with a prefill chunk cost little more than
+        their attention (a decode-only step reads every weight for a few
+        rows).
+
+        `segments`: [(tokens, start, prefix_k, prefix_v)], tokens at
+        positions start.. attending causally to themselves and to
+        `prefix_k`/`prefix_v` ([L, start, H, D], the earlier tokens' K/V;
+        None when start is 0).  `decode`: None, or (tokens, positions, view,
+        tables): one new token per request, `tokens[i]` at `positions[i]`,
+        attending to itself and to the `positions[i]` earlier tokens, whose
+        K/V are read from the request's blocks (`tables[i]`) of the arena
+        `view` ([num_blocks, L, 2, block_size, H, D]) layer by layer, where a
+        paged-attention kernel reads them, never gathered into a contiguous
+        copy of the whole context first.
+
+        Returns (outs, dec): one (k, v, hidden) per segment (k and v [L, n,
+        H, D] in the model's dtype, hidden [n, hidden] float32), and for the
+        decode tokens (k, v, hidden) with k and v [L, B, H, D] (None without
+        decode tokens); a decode token's are equal to `forward` of it within
+        float32 rounding."""
         L, Hq, Hkv, D = self.num_layers, self.num_q_heads, self.num_kv_heads, self.head_size
         toks, positions, spans = [], [], []
         at = 0
@@ -167,6 +195,17 @@ class TransformerModel:
             positions.append(np.arange(start, start + t.size, dtype=np.float32))
             spans.append((at, at + t.size))
             at += t.size
+        paged = None
+        if decode is not None:
+            tokens, dec_positions, view, tables = decode
+            paged = _PagedBatch(self, dec_positions, view, tables)
+            if len(tokens) != paged.size:
+                raise ValueError(f"{len(tokens)} tokens, {paged.size} positions and "
+                                 f"{len(tables)} block tables: one of each per request")
+            toks.append(np.asarray(tokens, dtype=np.int64))
+            positions.append(np.asarray(paged.lengths, dtype=np.float32))
+        if not toks:
+            return [], None
         angles = np.concatenate(positions)[:, None] * self.inv_freq
         cos, sin = np.cos(angles)[:, None, :], np.sin(angles)[:, None, :]
         x = self.embed[np.concatenate(toks) % self.vocab]
@@ -188,79 +227,70 @@ class TransformerModel:
                     values = np.concatenate((prefix_v[layer], values))
                 attn[lo:hi] = _attention(q[lo:hi], keys.astype(np.float32, copy=False),
                                          values.astype(np.float32, copy=False), start)
+            if paged is not None:
+                attn[at:] = paged.attention(layer, q[at:], ks[layer, at:], vs[layer, at:])
             x = x + _linear(attn, self.w_o[layer])
             gate, up = np.split(_linear(_rms(x), self.w_gate_up[layer]), 2, axis=1)
             x = x + _linear(gate / (1 + np.exp(-gate)) * up, self.w_down[layer])
-        return [(ks[:, lo:hi], vs[:, lo:hi], x[lo:hi]) for lo, hi in spans]
+        outs = [(ks[:, lo:hi], vs[:, lo:hi], x[lo:hi]) for lo, hi in spans]
+        return outs, (None if paged is None else (ks[:, at:], vs[:, at:], x[at:]))
 
-    def decode(self, tokens, positions, view: np.ndarray, tables):
-        """One new token per request, as an engine's decode step runs them:
-        `tokens[i]` at position `positions[i]`, attending to itself and to the
-        `positions[i]` earlier tokens, whose K/V are read from the request's
-        blocks (`tables[i]`) of the arena `view` ([num_blocks, L, 2,
-        block_size, H, D]) layer by layer, where a paged-attention kernel
-        reads them, never gathered into a contiguous copy of the whole
-        context first.  Every projection and the MLP see the whole batch in
-        one matrix product.  Returns (k, v, hidden): k and v [L, B, H, D] in
-        the model's dtype (the new tokens'), hidden [B, hidden] float32;
-        equal to `forward` of each token within float32 rounding."""
-        L, Hq, Hkv, D = self.num_layers, self.num_q_heads, self.num_kv_heads, self.head_size
-        g = Hq // Hkv
+
+class _PagedBatch:
+    """The decode tokens of a step, attending over their requests' blocks in
+    the arena: every request's blocks in one [B, max blocks] table, padded
+    with the null block, positions past a request's length masked."""
+
+    def __init__(self, model: TransformerModel, positions, view: np.ndarray, tables) -> None:
+        L, Hkv, D = model.num_layers, model.num_kv_heads, model.head_size
+        self.g = model.num_q_heads // Hkv
+        self.Hkv, self.D = Hkv, D
         bs = view.shape[3]
         if view.ndim != 6 or view.shape[1:3] != (L, 2) or view.shape[4:] != (Hkv, D):
             raise ValueError(f"the arena view must be [num_blocks, {L}, 2, block_size, {Hkv}, "
                              f"{D}], got {view.shape}")
-        lengths = [nonneg_int(pos, "position") for pos in positions]
-        B = len(lengths)
-        if len(tokens) != B or len(tables) != B:
-            raise ValueError(f"{len(tokens)} tokens, {B} positions and {len(tables)} block "
-                             "tables: one of each per request")
-        # Every request's blocks in one [B, max blocks] table, padded with
-        # the null block; its positions past the request's length are masked.
-        max_used = max((-(-n // bs) for n in lengths), default=0)
-        ids = np.zeros((B, max_used), dtype=np.intp)
-        for i, (n, table) in enumerate(zip(lengths, tables)):
+        self.lengths = [nonneg_int(pos, "position") for pos in positions]
+        self.size = B = len(self.lengths)
+        if len(tables) != B:
+            raise ValueError(f"{B} positions and {len(tables)} block tables: one of each "
+                             "per request")
+        max_used = max((-(-n // bs) for n in self.lengths), default=0)
+        self.ids = np.zeros((B, max_used), dtype=np.intp)
+        for i, (n, table) in enumerate(zip(self.lengths, tables)):
             used = -(-n // bs)
             if len(table) < used:
                 raise ValueError(f"request {i}: {len(table)} blocks hold fewer than its "
                                  f"{n} tokens")
-            ids[i, :used] = table[:used]
-        T = max_used * bs
-        masked = (np.arange(T)[None, :] >= np.asarray(lengths)[:, None])[:, None, None, :]
-        angles = np.asarray(lengths, dtype=np.float32)[:, None] * self.inv_freq
-        cos, sin = np.cos(angles)[:, None, :], np.sin(angles)[:, None, :]
-        x = self.embed[np.asarray(tokens, dtype=np.int64) % self.vocab]
-        ks = np.empty((L, B, Hkv, D), dtype=self.dtype)
-        vs = np.empty_like(ks)
-        out = np.empty((B, Hkv, g, D), dtype=np.float32)
-        scale = np.float32(1 / np.sqrt(D))
-        for layer in range(L):
-            qkv = _linear(_rms(x), self.w_qkv[layer])
-            q = _rotate(qkv[:, :Hq * D].reshape(B, Hq, D), cos, sin).reshape(B, Hkv, g, D)
-            q *= scale
-            ks[layer] = _rotate(qkv[:, Hq * D:(Hq + Hkv) * D].reshape(B, Hkv, D), cos, sin)
-            vs[layer] = qkv[:, (Hq + Hkv) * D:].reshape(B, Hkv, D)
-            k_new = ks[layer].astype(np.float32, copy=False)
-            v_new = vs[layer].astype(np.float32, copy=False)
-            own = np.einsum("bhgd,bhd->bhg", q, k_new)                  # [B, Hkv, g]
-            # One gather (in C) of this layer's K of every request, one of
-            # its V, then the whole batch in two matrix products.
-            keys = view[ids, layer, 0].reshape(B, T, Hkv, D).transpose(0, 2, 3, 1)
-            values = view[ids, layer, 1].reshape(B, T, Hkv, D).transpose(0, 2, 1, 3)
-            if keys.dtype != np.float32:
-                keys, values = keys.astype(np.float32), values.astype(np.float32)
-            scores = q @ keys                                            # [B, Hkv, g, T]
-            np.putmask(scores, np.broadcast_to(masked, scores.shape), -np.inf)
-            top = np.maximum(scores.max(axis=-1, initial=-np.inf), own)
-            np.exp(scores - top[..., None], out=scores)
-            w_own = np.exp(own - top)
-            mixed = scores @ values                                      # [B, Hkv, g, D]
-            mixed += w_own[..., None] * v_new[:, :, None, :]
-            out[:] = mixed / (scores.sum(axis=-1) + w_own)[..., None]
-            x = x + _linear(out.reshape(B, Hq * D), self.w_o[layer])
-            gate, up = np.split(_linear(_rms(x), self.w_gate_up[layer]), 2, axis=1)
-            x = x + _linear(gate / (1 + np.exp(-gate)) * up, self.w_down[layer])
-        return ks, vs, x
+            self.ids[i, :used] = table[:used]
+        self.T = max_used * bs
+        self.masked = (np.arange(self.T)[None, :] >= np.asarray(self.lengths)[:, None]
+                       )[:, None, None, :]
+        self.view = view
+        self.scale = np.float32(1 / np.sqrt(D))
+
+    def attention(self, layer: int, q: np.ndarray, k_new: np.ndarray, v_new: np.ndarray
+                  ) -> np.ndarray:
+        """q [B, Hq, D], the new tokens' k and v [B, Hkv, D] (as stored):
+        attention over each request's context and the token itself, [B, Hq x D]."""
+        B, Hkv, g, D, T = self.size, self.Hkv, self.g, self.D, self.T
+        q = q.reshape(B, Hkv, g, D) * self.scale
+        k_new = k_new.astype(np.float32, copy=False)
+        v_new = v_new.astype(np.float32, copy=False)
+        own = np.einsum("bhgd,bhd->bhg", q, k_new)                      # [B, Hkv, g]
+        # One gather (in C) of this layer's K of every request, one of its
+        # V, then the whole batch in two matrix products.
+        keys = self.view[self.ids, layer, 0].reshape(B, T, Hkv, D).transpose(0, 2, 3, 1)
+        values = self.view[self.ids, layer, 1].reshape(B, T, Hkv, D).transpose(0, 2, 1, 3)
+        if keys.dtype != np.float32:
+            keys, values = keys.astype(np.float32), values.astype(np.float32)
+        scores = q @ keys                                                # [B, Hkv, g, T]
+        np.putmask(scores, np.broadcast_to(self.masked, scores.shape), -np.inf)
+        top = np.maximum(scores.max(axis=-1, initial=-np.inf), own)
+        np.exp(scores - top[..., None], out=scores)
+        w_own = np.exp(own - top)
+        mixed = scores @ values                                          # [B, Hkv, g, D]
+        mixed += w_own[..., None] * v_new[:, :, None, :]
+        return (mixed / (scores.sum(axis=-1) + w_own)[..., None]).reshape(B, Hkv * g * D)
 
 
 def _linear(x: np.ndarray, w: np.ndarray) -> np.ndarray:
@@ -272,21 +302,34 @@ def _linear(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     return (w @ x.T).T
 
 
-def _attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, start: int) -> np.ndarray:
+def _attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, start: int,
+               tile: int = _ATTENTION_TILE) -> np.ndarray:
     """Causal grouped-query attention: q [n, Hq, D] (positions start..) over
-    keys / values [T, Hkv, D] (T = start + n) -> [n, Hq * D]."""
+    keys / values [T, Hkv, D] (T = start + n) -> [n, Hq * D].
+
+    Query rows go `tile` at a time, each tile over only the keys it can see
+    (the prefix and the chunk up to its last row), so the scores stay small
+    and the masked half of a long chunk is never computed."""
     n, Hq, D = q.shape
     T, Hkv, _ = keys.shape
     g = Hq // Hkv
-    qh = q.reshape(n, Hkv, g, D).transpose(1, 2, 0, 3)          # [Hkv, g, n, D]
-    scores = qh @ keys.transpose(1, 2, 0)[:, None] / np.float32(np.sqrt(D))
-    future = np.arange(T)[None, :] > (start + np.arange(n))[:, None]
-    scores[..., future] = -np.inf
-    scores -= scores.max(axis=-1, keepdims=True)
-    np.exp(scores, out=scores)
-    scores /= scores.sum(axis=-1, keepdims=True)
-    out = scores @ values.transpose(1, 0, 2)[:, None]            # [Hkv, g, n, D]
-    return out.transpose(2, 0, 1, 3).reshape(n, Hq * D)
+    qh = (q * np.float32(1 / np.sqrt(D))).reshape(n, Hkv, g, D).transpose(1, 2, 0, 3)
+    kt = np.ascontiguousarray(keys.transpose(1, 2, 0))[:, None]          # [Hkv, 1, D, T]
+    vt = np.ascontiguousarray(values.transpose(1, 0, 2))[:, None]        # [Hkv, 1, T, D]
+    out = np.empty((n, Hkv, g, D), dtype=np.float32)
+    for r0 in range(0, n, tile):
+        r1 = min(n, r0 + tile)
+        end, lo = start + r1, start + r0          # keys the tile sees; its first row's position
+        scores = qh[:, :, r0:r1] @ kt[..., :end]                          # [Hkv, g, rows, end]
+        # Row r sees keys up to position lo + r: mask the rest of the diagonal tile.
+        scores[..., lo:] += np.where(np.arange(end - lo)[None, :] > np.arange(r1 - r0)[:, None],
+                                     np.float32(-np.inf), np.float32(0))
+        scores -= scores.max(axis=-1, keepdims=True)
+        np.exp(scores, out=scores)
+        mixed = scores @ vt[:, :, :end]                                   # [Hkv, g, rows, D]
+        mixed /= scores.sum(axis=-1, keepdims=True)
+        out[r0:r1] = mixed.transpose(2, 0, 1, 3)
+    return out.reshape(n, Hq * D)
 
 
 def mismatching_blocks_within(view: np.ndarray, block_ids, block_size: int, k: np.ndarray,
@@ -329,21 +372,28 @@ def _rotate(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
 
 
 class TransformerCompute(ComputeBase):
-    """The transformer on the arena (one full-attention group): a step's
-    prefill chunks run as one batch (over the K/V gathered from each
-    request's blocks) and its decode tokens as another, which reads the
-    context from the blocks layer by layer (`TransformerModel.decode`).
+    """The transformer on the arena (one full-attention group).  A step runs
+    as one forward pass (`TransformerModel.step`): its prefill chunks (over
+    the K/V gathered from each request's blocks), its decode tokens (which
+    read the context from the blocks layer by layer) and the recomputes its
+    checks need, so the weights are read once per step, not once per kind.
 
     Checks cost the same whether a request's prefix was a hit or not:
     `check_blocks` of each request's full prompt blocks, drawn from its id
     (the same blocks in a shared and an isolated run), are recomputed and
-    compared within TOLERANCE, a hit block when the request is admitted, a
-    block this worker computes once its K/V are written.  A recompute runs
-    each stretch of adjacent sampled blocks over the arena's K/V of the
-    tokens before it, so it costs a prefill of the sampled blocks (and
-    their attention over the prefix), not of the whole prefix.
-    `check_decode` is the fraction of decode tokens whose hidden state is
-    compared with attention over the request's K/V read contiguously."""
+    compared within TOLERANCE: a hit block in the step that admits the
+    request, inside that step's forward pass; a block this worker computes
+    once its K/V are written, in one batch with the step's other such
+    blocks.  A recompute runs each stretch of adjacent sampled blocks over
+    the arena's K/V of the tokens before it, so it costs a prefill of the
+    sampled blocks (and their attention over the prefix), not of the whole
+    prefix.  `check_decode` is the fraction of decode tokens whose hidden
+    state is compared with attention over the request's K/V read
+    contiguously, in the same forward pass.
+
+    CPU time is split among prefill (`kv_s`), decode (`attention_s`) and
+    checks (`check_s`) by the rows each has in a pass: the marginal cost of
+    a row, within the attention's share (a decode-only step is all decode)."""
 
     def __init__(self, config, arena, opts, stats, tag: int) -> None:
         super().__init__(config, arena, opts, stats, tag)
@@ -355,41 +405,60 @@ class TransformerCompute(ComputeBase):
         self.block_size = self.groups[0][1]
         self._sampled: set[str] = set()           # requests whose blocks were drawn
         self._pending: dict[str, list[int]] = {}  # rid -> sampled blocks to compute
+        self._hit_checks: list[tuple] = []        # (seq, stretch) of hits admitted this step
 
     def run(self, seqs) -> None:
         st = self.stats
         decode = [s for s in seqs if s.scheduled == 1 and s.num_computed >= s.prompt_len]
         prefill = [s for s in seqs if not (s.scheduled == 1 and s.num_computed >= s.prompt_len)]
-        if prefill:
-            t0 = time.thread_time()
-            outs = self.model.forward_batch([self._segment(seq) for seq in prefill])
-            for seq, (k, v, _) in zip(prefill, outs):
-                self.write(seq, seq.num_computed, k, v)
-            st.kv_s += time.thread_time() - t0
-            for seq in prefill:
-                if seq.rid in self._pending:
-                    self._check_computed(seq, seq.num_computed + seq.scheduled)
+        hit_checks, self._hit_checks = self._hit_checks, []
+        decode_checks = [i for i in range(len(decode))
+                         if self.rng.random() < self.opts.check_decode]
+        t0 = time.thread_time()
+        segments = [self._segment(seq, seq.num_computed, seq.scheduled) for seq in prefill]
+        segments += [self._segment(seq, lo * self.block_size, (hi - lo) * self.block_size)
+                     for seq, (lo, hi) in hit_checks]
+        segments += [self._segment(decode[i], decode[i].num_computed, 1) for i in decode_checks]
+        dec = None
         if decode:
-            t0 = time.thread_time()
             positions = [seq.num_computed for seq in decode]
-            k, v, hidden = self.model.decode([seq.tokens[pos] for seq, pos in
-                                              zip(decode, positions)],
-                                             positions, self.view,
-                                             [seq.tables[0] for seq in decode])
+            dec = ([seq.tokens[pos] for seq, pos in zip(decode, positions)], positions,
+                   self.view, [seq.tables[0] for seq in decode])
+        outs, dec_out = self.model.step(segments, dec)
+        for seq, (k, v, _) in zip(prefill, outs):
+            self.write(seq, seq.num_computed, k, v)
+        if dec_out is not None:
+            k, v, hidden = dec_out
             for i, seq in enumerate(decode):
-                self.write(seq, positions[i], k[:, i:i + 1], v[:, i:i + 1])
-            st.attention_s += time.thread_time() - t0
-            for i, seq in enumerate(decode):
-                if self.rng.random() < self.opts.check_decode:
-                    self._check_decode(seq, hidden[i])
+                self.write(seq, seq.num_computed, k[:, i:i + 1], v[:, i:i + 1])
+        rows_p = sum(seq.scheduled for seq in prefill)
+        rows_c = sum(len(t) for t, *_ in segments[len(prefill):])
+        spent = time.thread_time() - t0
+        t0 = time.thread_time()
+        rows = max(rows_p + rows_c + len(decode), 1)
+        st.kv_s += spent * rows_p / rows
+        st.attention_s += spent * len(decode) / rows
+        st.check_s += spent * rows_c / rows
+        checked = outs[len(prefill):]
+        for (seq, (lo, hi)), (k, v, _) in zip(hit_checks, checked):
+            table = seq.tables[0]
+            bad = mismatching_blocks_within(self.view, table[lo:hi], self.block_size, k, v)
+            if bad:
+                self.bad_hits(seq, [table[lo + j] for j in bad], f"differ from a recompute "
+                              f"by more than {TOLERANCE:g} of their scale")
+        for i, (_, _, ref) in zip(decode_checks, checked[len(hit_checks):]):
+            self._check_decode(decode[i], hidden[i], ref[-1])
+        st.check_s += time.thread_time() - t0
+        self._check_computed([seq for seq in prefill if seq.rid in self._pending])
 
-    def _segment(self, seq):
-        start = seq.num_computed
+    def _segment(self, seq, start: int, n: int):
+        """A request's tokens start..start+n over the arena's K/V of the
+        tokens before them."""
         if start:
             k, v = read_kv(self.view, seq.tables[0], self.block_size, 0, start)
         else:
             k = v = None
-        return seq.tokens[start:start + seq.scheduled], start, k, v
+        return seq.tokens[start:start + n], start, k, v
 
     def started(self, seq) -> None:
         """A request admitted without hits: its sampled blocks are checked
@@ -398,7 +467,8 @@ class TransformerCompute(ComputeBase):
 
     def admitted(self, seq, num_hit: int) -> None:
         """Count the hits another worker wrote; on the request's first
-        admission, draw its sampled blocks and check the hit ones now."""
+        admission, draw its sampled blocks; the hit ones are checked in this
+        step's forward pass."""
         t0 = time.thread_time()
         st = self.stats
         bs = self.block_size
@@ -412,10 +482,7 @@ class TransformerCompute(ComputeBase):
             hits = [i for i in sample if i < num_hit // bs]
             if hits:
                 st.hit_blocks_checked += len(hits)
-                bad = self._mismatching(seq, hits)
-                if bad:
-                    self.bad_hits(seq, [table[i] for i in bad], f"differ from a recompute "
-                                  f"by more than {TOLERANCE:g} of their scale")
+                self._hit_checks += [(seq, s) for s in _stretches(hits)]
             rest = sample[len(hits):]
             if rest:
                 self._pending[seq.rid] = rest
@@ -430,60 +497,51 @@ class TransformerCompute(ComputeBase):
         rng = random.Random(f"{self.opts.sample_seed}:{rid}")
         return sorted(rng.sample(range(num_full), n))
 
-    def _check_computed(self, seq, written: int) -> None:
-        """Check the request's pending sampled blocks that the first
-        `written` tokens' K/V now fill."""
+    def _check_computed(self, seqs) -> None:
+        """Check the requests' pending sampled blocks that their K/V written
+        so far (this step's included) fill, all in one forward pass."""
+        if not seqs:
+            return
         t0 = time.thread_time()
         st = self.stats
         bs = self.block_size
-        pending = self._pending.pop(seq.rid)
-        due = [i for i in pending if (i + 1) * bs <= written]
-        if len(due) < len(pending):
-            self._pending[seq.rid] = pending[len(due):]
+        due = []
+        for seq in seqs:
+            pending = self._pending.pop(seq.rid)
+            written = seq.num_computed + seq.scheduled
+            ready = [i for i in pending if (i + 1) * bs <= written]
+            if len(ready) < len(pending):
+                self._pending[seq.rid] = pending[len(ready):]
+            st.computed_blocks_checked += len(ready)
+            due += [(seq, s) for s in _stretches(ready)]
         if due:
-            st.computed_blocks_checked += len(due)
-            bad = self._mismatching(seq, due)
-            if bad:
-                st.computed_mismatches += len(bad)
-                self.error(f"{seq.rid}: {len(bad)} block(s) this worker computed differ "
-                           f"from a recompute by more than {TOLERANCE:g} of their scale "
-                           f"(block ids {[seq.tables[0][i] for i in bad][:8]})")
+            outs = self.model.forward_batch([self._segment(seq, lo * bs, (hi - lo) * bs)
+                                             for seq, (lo, hi) in due])
+            bad: dict[str, list[int]] = {}
+            for (seq, (lo, hi)), (k, v, _) in zip(due, outs):
+                table = seq.tables[0]
+                for j in mismatching_blocks_within(self.view, table[lo:hi], bs, k, v):
+                    bad.setdefault(seq.rid, []).append(table[lo + j])
+            for rid, ids in bad.items():
+                st.computed_mismatches += len(ids)
+                self.error(f"{rid}: {len(ids)} block(s) this worker computed differ from a "
+                           f"recompute by more than {TOLERANCE:g} of their scale (block ids "
+                           f"{ids[:8]})")
         st.check_s += time.thread_time() - t0
 
-    def _mismatching(self, seq, idx: list[int]) -> list[int]:
-        """Of the request's blocks `idx` (sorted), those whose K/V in the
-        arena differ from a recompute.  Each stretch of adjacent blocks is
-        recomputed in one pass over the arena's K/V of the tokens before it,
-        so a wrong block is caught as itself, not as its successors."""
-        bs = self.block_size
-        table = seq.tables[0]
-        bad = []
-        for lo, hi in _stretches(idx):
-            start = lo * bs
-            if start:
-                prefix_k, prefix_v = read_kv(self.view, table, bs, 0, start)
-            else:
-                prefix_k = prefix_v = None
-            k, v, _ = self.model.forward(seq.tokens[start:hi * bs], start, prefix_k, prefix_v)
-            bad += [lo + j for j in mismatching_blocks_within(self.view, table[lo:hi], bs, k, v)]
-        return bad
-
-    def _check_decode(self, seq, hidden: np.ndarray) -> None:
+    def _check_decode(self, seq, hidden: np.ndarray, ref: np.ndarray) -> None:
         """The decode step's hidden state against `forward` of the same token
         over the request's K/V gathered contiguously: the paged decode path
         against the plain one, over the same bytes (the bytes themselves are
-        what the sampled blocks' recomputes check).  Costs a gather of the context and one
-        token, where a recompute of the whole request would cost its prefill."""
-        t0 = time.thread_time()
+        what the sampled blocks' recomputes check).  Costs a gather of the
+        context and one row of the step's pass, where a recompute of the
+        whole request would cost its prefill."""
         st = self.stats
-        pos = seq.num_computed
-        k, v = read_kv(self.view, seq.tables[0], self.block_size, 0, pos)
-        _, _, ref = self.model.forward(seq.tokens[pos:pos + 1], pos, k, v)
         st.decode_checks += 1
-        scale = float(np.abs(ref[-1]).max()) or 1.0
-        diff = float(np.abs(hidden - ref[-1]).max())
+        scale = float(np.abs(ref).max()) or 1.0
+        diff = float(np.abs(hidden - ref).max())
         if diff > TOLERANCE * scale:
             st.decode_mismatches += 1
-            self.error(f"{seq.rid}: the decode step at position {pos} differs from "
-                       f"attention over its contiguous K/V by {diff:.3g} (scale {scale:.3g})")
-        st.check_s += time.thread_time() - t0
+            self.error(f"{seq.rid}: the decode step at position {seq.num_computed} differs "
+                       f"from attention over its contiguous K/V by {diff:.3g} (scale "
+                       f"{scale:.3g})")
