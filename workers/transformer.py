@@ -229,9 +229,8 @@ class TransformerModel:
                                          values.astype(np.float32, copy=False), start)
             if paged is not None:
                 attn[at:] = paged.attention(layer, q[at:], ks[layer, at:], vs[layer, at:])
-            x = x + _linear(attn, self.w_o[layer])
-            gate, up = np.split(_linear(_rms(x), self.w_gate_up[layer]), 2, axis=1)
-            x = x + _linear(gate / (1 + np.exp(-gate)) * up, self.w_down[layer])
+            x += _linear(attn, self.w_o[layer])
+            x += _linear(_swiglu(_linear(_rms(x), self.w_gate_up[layer])), self.w_down[layer])
         outs = [(ks[:, lo:hi], vs[:, lo:hi], x[lo:hi]) for lo, hi in spans]
         return outs, (None if paged is None else (ks[:, at:], vs[:, at:], x[at:]))
 
@@ -357,6 +356,17 @@ def _stretches(idx: list[int]) -> list[tuple[int, int]]:
             out[-1] = (out[-1][0], i + 1)
         else:
             out.append((i, i + 1))
+    return out
+
+
+def _swiglu(gate_up: np.ndarray) -> np.ndarray:
+    """silu(gate) * up of [n, 2 x inter] (gate, then up), in one buffer."""
+    gate, up = np.split(gate_up, 2, axis=1)
+    out = np.negative(gate)
+    np.exp(out, out=out)
+    out += 1
+    np.divide(gate, out, out=out)
+    out *= up
     return out
 
 
