@@ -13,7 +13,9 @@ Workloads, routed round robin:
   conversation forms wave k (one `generate()` call per engine).
 - `rag`: documents of 800-1,500 tokens, each asked 6 questions in a row
   (kvshm.workers.traffic.rag), so every engine gets questions on the same
-  document together; each document's questions form a wave.
+  document together; the whole list arrives at once (one burst, one
+  `generate()` call per engine), so an engine whose next request waits for
+  a document another engine is computing can start on the next document.
 - `unique`: the same lengths with nothing shared (`RagSpec(shared=False)`):
   the control that shows what the pool itself costs.
 
@@ -90,16 +92,12 @@ def streams(engines: int, conversations: int, turns: int, system_prompts: int,
 
 def rag_streams(engines: int, shared: bool, seed: int, vocab: int) -> list[dict]:
     """One workload per engine: RAG requests (traffic.rag), request i served
-    by engine i % N, each document's questions one wave."""
+    by engine i % N, all in one wave (a burst)."""
     spec = RagSpec(seed=seed, vocab=vocab, shared=shared)
-    out = [{"phases": []} for _ in range(engines)]
+    out = [{"phases": [[]]} for _ in range(engines)]
     for i, it in enumerate(rag(spec)):
-        doc, q = divmod(i, spec.questions)
-        phases = out[i % engines]["phases"]
-        if len(phases) <= doc:
-            phases.extend([] for _ in range(doc + 1 - len(phases)))
-        phases[doc].append({"id": it.rid, "prompt_ids": list(it.prompt),
-                            "max_tokens": spec.output_len})
+        out[i % engines]["phases"][0].append({"id": it.rid, "prompt_ids": list(it.prompt),
+                                              "max_tokens": spec.output_len})
     return out
 
 

@@ -220,6 +220,37 @@ def test_an_engine_alone_on_a_pool_gets_vllm_s_hits(model_dir, tmp_path, pool):
     assert pool_stats(pool)["num_requests"] == 0
 
 
+def test_a_request_waiting_for_a_prefix_in_flight_lets_the_requests_behind_run(
+        model_dir, tmp_path, pool):
+    """A session of this process holds a 320-token prompt's blocks cached
+    but not ready (its K/V never come).  Engine B gets that prompt first and
+    another behind it: the plugin's connector skips the waiting one, so the
+    other runs at once; the waiting one computes the prompt itself at its
+    deadline; both generate what vLLM's own manager does."""
+    import random
+
+    from kvshm.service.sync_client import connect_sync
+    rng = random.Random(3)
+    held = [rng.randrange(3, 1000) for _ in range(10 * BLOCK)]
+    other = [rng.randrange(3, 1000) for _ in range(100)]
+    wl = {"phases": [[{"id": "held", "prompt_ids": held + [5, 6], "max_tokens": 8},
+                      {"id": "other", "prompt_ids": other, "max_tokens": 8}]]}
+    own = start_engine(model_dir, wl, tmp_path, "own", pool=None)
+    with connect_sync(pool.socket, hash_algorithm=None) as writer:   # the pool's hashing
+        writer.add_request("w", held)
+        assert writer.allocate_slots("w", len(held)) is not None
+        b = run_engine(model_dir, wl, tmp_path, "b", pool=str(pool.socket),
+                       env={"KVSHM_IN_FLIGHT_DEADLINE": "3"})
+        writer.free("w")
+    own = finish(own)
+    ttft = {r["id"]: r["ttft_s"] for r in b["requests"]}
+    assert ttft["other"] < 2.0 and ttft["held"] >= 2.9, ttft
+    assert b["plugin"]["skips_waiting"] and b["plugin"]["in_flight_waits"] == 1
+    assert b["plugin"]["in_flight_skips"] > 0
+    assert outputs(b) == outputs(own)
+    assert pool_stats(pool)["num_requests"] == 0
+
+
 def test_an_engine_that_does_not_fit_the_pool_is_refused(model_dir, tmp_path, pool):
     a_wl, _ = prefix_workloads()
     runs = [start_engine(model_dir, a_wl, tmp_path, name, pool=target, extra=extra, env=env)

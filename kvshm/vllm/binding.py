@@ -209,6 +209,22 @@ class PoolBinding:
                 raw[name] = tensor
         return raw
 
+    def gate_scheduler(self, scheduler) -> None:
+        """On a shared pool, give the engine's scheduler the plugin's KV
+        connector (gate.py), so that a request waiting for tokens another
+        engine is computing is skipped, not a block on the whole queue;
+        unless the engine has a connector of its own or never waits."""
+        backend = self.backend
+        if self.embedded or backend is None or not backend.wait_in_flight:
+            return
+        if scheduler.connector is not None:
+            log.info("kvshm: the engine has its own KV connector (%s): a request waiting "
+                     "for tokens in flight holds the waiting queue behind it",
+                     type(scheduler.connector).__name__)
+            return
+        from kvshm.vllm.gate import InFlightGate
+        scheduler.connector = InFlightGate(backend)
+
     def step_computed(self, scheduler_output) -> None:
         """A step's forward pass is done: its K/V are in the arena."""
         if self.backend is not None and not self.embedded:

@@ -96,13 +96,16 @@ def count_steps(llm) -> list[int]:
 
 def plugin_counters() -> dict:
     """The kvshm backend's counters (allocations answered without a round
-    trip, stale hits, waits for tokens in flight), when this process has a
-    shared pool's backend; else {}."""
+    trip, stale hits, waits for tokens in flight, the steps that skipped a
+    waiting request, and whether the scheduler skips them: the plugin's
+    connector is installed), when this process has a shared pool's backend;
+    else {}."""
     if not os.environ.get("KVSHM_POOL", "").strip():
         return {}
     from kvshm.vllm.binding import current_binding
     backend = current_binding().backend
-    names = ("local_allocations", "stale_hits", "in_flight_waits")
+    names = ("local_allocations", "stale_hits", "in_flight_waits", "in_flight_skips",
+             "skips_waiting")
     return {n: getattr(backend, n) for n in names if hasattr(backend, n)}
 
 

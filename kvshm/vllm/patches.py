@@ -9,8 +9,10 @@
 - shared pools only: the engine's block count is the pool's
   (`EngineCore._initialize_kv_caches`), the KV-cache tensors are views of
   the pool's arena (`GPUModelRunner._allocate_kv_cache_tensors`, which the
-  CPU model runner inherits), and a step's full blocks are cached once its
-  forward pass wrote their K/V (`Scheduler.update_from_output`).
+  CPU model runner inherits), a step's computed blocks become hits for the
+  other engines once its forward pass wrote their K/V
+  (`Scheduler.update_from_output`), and the scheduler gets the plugin's KV
+  connector (`gate.py`) if it has none, once the engine core is built.
 """
 
 from __future__ import annotations
@@ -51,6 +53,9 @@ def install() -> None:
     def engine_core_init(self, *args, **kwargs):
         core_init(self, *args, **kwargs)
         binding.engine_started()
+        # After the engine core's own connector set-up, which the gate needs
+        # none of (it has no worker side).
+        binding.gate_scheduler(self.scheduler)
 
     EngineCore.__init__ = engine_core_init
 

@@ -19,13 +19,15 @@ ids the backend keeps).
 
 A waiting request whose lookup stops where another engine is writing at
 least `wait_in_flight` more of its tokens waits for them, up to
-`in_flight_deadline` seconds: its allocation answers None, which vLLM's
-scheduler takes as a full pool (the request stays first in line and is
-looked up again next step; the waiting requests behind it wait too, as
-they would for free blocks).  While it waits it is looked up again at most
-every `in_flight_poll` seconds, and a step that schedules nothing else
-sleeps until then (vLLM's engine loop would otherwise spin through empty
-steps, each with a round trip).  Runs inside vLLM processes only (no vLLM
+`in_flight_deadline` seconds (`waits`).  With the plugin's KV connector
+installed (`gate.py`, `skips_waiting`), the scheduler skips the request
+this step and schedules the ones behind it; without (the engine has a
+connector of its own), its allocation answers None, which vLLM's scheduler
+takes as a full pool (the request stays first in line and the waiting
+requests behind it wait too, as they would for free blocks).  While it
+waits it is looked up again at most every `in_flight_poll` seconds, and a
+step that schedules nothing else sleeps until then (vLLM's engine loop
+would otherwise spin through empty steps, each with a round trip).  Runs inside vLLM processes only (no vLLM
 import here, though).
 """
 
@@ -83,6 +85,10 @@ class RemoteBackend:
         self._wait_until: dict[str, float] = {}
         self._looked_up: dict[str, tuple[float, list[list[int]], int, int]] = {}
         self.in_flight_waits = 0     # requests that waited for tokens in flight
+        # The scheduler skips a waiting request (the plugin's connector asks
+        # `waits`) rather than taking a None allocation as a full pool.
+        self.skips_waiting = False
+        self.in_flight_skips = 0     # steps that skipped a waiting request (the gate counts)
         self.config: PoolConfig = client.config
         self.num_blocks = self.config.num_blocks
         self.segment = PoolSegment.attach(client.pool_segment)
@@ -152,7 +158,9 @@ class RemoteBackend:
             when, ids, n, in_flight = last
             now = time.monotonic()
             if now < when + self.in_flight_poll:
-                if self._step_start:             # other requests run this step
+                # Skipped (the step's end sleeps if nothing ran), or other
+                # requests run this step: the last answer stands.
+                if self.skips_waiting or self._step_start:
                     self._in_flight[rid] = in_flight
                     return ids, n
                 if not self._computed:           # else this step would be empty
@@ -167,9 +175,9 @@ class RemoteBackend:
             self._looked_up.pop(rid, None)
         return r.block_ids, r.num_computed_tokens
 
-    def _waits(self, rid: str) -> bool:
-        """Whether the waiting request `rid` waits for its tokens in flight
-        (until its deadline) instead of being allocated now."""
+    def waits(self, rid: str) -> bool:
+        """Whether the waiting request `rid`, just looked up, waits for its
+        tokens in flight (until its deadline) instead of being allocated now."""
         n = self._in_flight.pop(rid, 0)
         if not 0 < self.wait_in_flight <= n:
             self._wait_until.pop(rid, None)
@@ -191,8 +199,8 @@ class RemoteBackend:
                        num_lookahead_tokens, num_external_computed_tokens,
                        delay_cache_blocks, num_encoder_tokens) -> list[list[int]] | None:
         rid = request.request_id
-        if self._in_flight and self._waits(rid):     # (only lookups set _in_flight)
-            return None
+        if not self.skips_waiting and self._in_flight and self.waits(rid):
+            return None                              # (only lookups set _in_flight)
         total = request.num_computed_tokens + num_new_computed_tokens
         if (hits is None and not num_external_computed_tokens and not num_encoder_tokens
                 and self._unchanged(request, total, num_new_tokens + num_lookahead_tokens,
@@ -227,6 +235,17 @@ class RemoteBackend:
                     h.extend(n)
         self._step_start[rid] = total + num_external_computed_tokens
         return new
+
+    def idle(self, num_scheduled_tokens: int) -> None:
+        """The scheduler built a step of `num_scheduled_tokens`: if it is
+        empty while requests wait for tokens in flight, sleep until the
+        first of their next lookups is due."""
+        if num_scheduled_tokens or not self._looked_up or self._computed:
+            return
+        due = min(when for when, *_ in self._looked_up.values()) + self.in_flight_poll
+        pause = due - time.monotonic()
+        if pause > 0:
+            time.sleep(min(pause, self.in_flight_poll))
 
     def _unchanged(self, request, total: int, num_slots: int, delay_cache_blocks: bool) -> bool:
         """Whether allocating `num_slots` more slots to a running request

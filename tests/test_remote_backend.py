@@ -1,0 +1,135 @@
+"""The vLLM plugin's backend on a shared pool (kvshm/vllm/remote.py) without
+vLLM: a waiting request's lookup of tokens another session is computing,
+its wait and deadline, the polling that spares round trips, and the two
+ways the scheduler is told (skipped by the plugin's connector, or a None
+allocation)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from helpers import make_config, tokens
+from kvshm.core.request import Request
+from kvshm.service.process import CoordinatorProcess
+from kvshm.service.sync_client import connect_sync
+from kvshm.vllm.remote import RemoteBackend
+
+CFG = make_config(num_blocks=64, max_num_seqs=16)
+
+
+class VllmRequest:
+    """The attributes of vLLM's Request that the backend reads."""
+
+    def __init__(self, rid: str, prompt, hasher) -> None:
+        own = Request(rid, prompt, hasher)
+        self.request_id = rid
+        self.block_hashes = list(own.block_hashes)
+        self.num_tokens = len(prompt)
+        self.num_computed_tokens = 0
+        self.lora_request = None
+        self.cache_salt = None
+        self.skip_reading_prefix_cache = False
+        self.status = None
+
+
+@pytest.fixture
+def proc(pool_name):
+    with CoordinatorProcess(CFG, name=pool_name) as proc:
+        yield proc
+
+
+def backend(proc, **kw) -> RemoteBackend:
+    client = connect_sync(proc.socket, hash_algorithm=CFG.hash_algorithm,
+                          hash_seed=CFG.hash_seed)
+    b = RemoteBackend(client, **kw)
+    frames = [0]
+    batch, call = client.batch, client.call
+
+    def counted_batch(ops, *a, **k):
+        frames[0] += 1
+        return batch(ops, *a, **k)
+
+    def counted_call(op, *a, **k):
+        frames[0] += 1
+        return call(op, *a, **k)
+
+    client.batch, client.call = counted_batch, counted_call
+    b.frames = frames
+    return b
+
+
+def allocate(b: RemoteBackend, req, hits, n_computed: int):
+    return b.allocate_slots(req, req.num_tokens - n_computed, n_computed, hits, 0, 0, False, 0)
+
+
+@pytest.mark.parametrize("skips", [True, False], ids=["skipped", "allocation-none"])
+def test_a_lookup_of_tokens_in_flight_waits_then_hits_them(proc, skips):
+    prompt = tokens(0, 20)                   # 5 full blocks of 4
+    with connect_sync(proc.socket, hash_algorithm=CFG.hash_algorithm,
+                      hash_seed=CFG.hash_seed) as writer:
+        writer.add_request("w", prompt)
+        assert writer.allocate_slots("w", 20) is not None   # cached, not ready: in flight
+        b = backend(proc, wait_in_flight=8, in_flight_deadline=30, in_flight_poll=0.05)
+        b.skips_waiting = skips          # as the plugin's connector sets it
+        req = VllmRequest("r", prompt + tokens(100, 103), b.client.make_hasher())
+        hits, n = b.get_computed_blocks(req)
+        assert n == 0
+        assert b.waits("r") and b.in_flight_waits == 1
+        if not skips:
+            # Without the connector the scheduler learns it from the allocation.
+            b.get_computed_blocks(req)
+            assert allocate(b, req, hits, 0) is None
+        before, t0 = b.frames[0], time.monotonic()
+        assert b.get_computed_blocks(req) == (hits, 0)
+        assert b.waits("r")
+        if skips:
+            # Looked up again within the poll period: the last answer, no
+            # round trip.  A step that schedules nothing then sleeps until
+            # the next lookup is due; one that schedules something does not.
+            assert b.frames[0] == before
+            t0 = time.monotonic()
+            b.idle(5)
+            assert time.monotonic() - t0 < 0.02
+            b.idle(0)
+            assert 0 < time.monotonic() - t0 <= 0.2
+        else:
+            # The step would hold nothing else: sleep until the lookup is due,
+            # then look up.
+            assert b.frames[0] == before + 1 and time.monotonic() - t0 >= 0.01
+        writer.advance("w", 20)          # the writer's K/V are in: the blocks are ready
+        time.sleep(0.06)
+        hits, n = b.get_computed_blocks(req)
+        assert n == 20 and not b.waits("r")
+        assert allocate(b, req, hits, 20) is not None
+        assert b.in_flight_waits == 1
+        b.free(req)
+        writer.free("w")
+        b.client.close()
+
+
+def test_a_waiting_request_computes_the_tokens_itself_at_its_deadline(proc):
+    prompt = tokens(0, 20)
+    with connect_sync(proc.socket, hash_algorithm=CFG.hash_algorithm,
+                      hash_seed=CFG.hash_seed) as writer:
+        writer.add_request("w", prompt)
+        writer.allocate_slots("w", 20)
+        b = backend(proc, wait_in_flight=8, in_flight_deadline=0.1, in_flight_poll=0.01)
+        b.skips_waiting = True
+        req = VllmRequest("r", prompt, b.client.make_hasher())
+        hits, n = b.get_computed_blocks(req)
+        assert b.waits("r")
+        time.sleep(0.15)
+        hits, n = b.get_computed_blocks(req)
+        assert n == 0 and not b.waits("r")      # past its deadline: it computes them
+        assert allocate(b, req, hits, 0) is not None
+        # Fewer tokens in flight than wait_in_flight: no wait at all.
+        quick = backend(proc, wait_in_flight=64)
+        other = VllmRequest("o", prompt, quick.client.make_hasher())
+        quick.get_computed_blocks(other)
+        assert not quick.waits("o") and quick.in_flight_waits == 0
+        b.free(req)
+        writer.free("w")
+        b.client.close()
+        quick.client.close()
