@@ -15,7 +15,8 @@ Calls the backend can answer from what it holds cost no round trip: a
 running request's allocation that needs no new block and caches no new
 block (most decode steps; its new tokens travel with its next frame), and
 the scheduler's per-step `get_num_common_prefix_blocks` (from the block
-ids the backend keeps).
+ids the backend keeps), and `remove_skipped_blocks` where no group ever
+skips a block.
 
 A waiting request whose lookup stops where another engine is writing at
 least `wait_in_flight` more of its tokens waits for them, up to
@@ -315,7 +316,9 @@ class RemoteBackend:
         self._run(ops + [p.Free(rid, preempted)])
 
     def remove_skipped_blocks(self, request_id: str, total_computed_tokens: int) -> None:
-        if request_id in self._sent:
+        # Full attention, MLA and cross-attention never skip a block (the
+        # scheduler asks anyway, before a connector's request_finished).
+        if self._mirror is None and request_id in self._sent:
             self._run([p.RemoveSkippedBlocks(request_id, total_computed_tokens)])
 
     def get_block_ids(self, request_id: str) -> list[list[int]]:
