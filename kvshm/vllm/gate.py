@@ -64,9 +64,6 @@ class InFlightGate(SupportsHMA):
     def get_kv_connector_stats(self):
         return None
 
-    def get_finished_count(self):
-        return None
-
     def reset_cache(self) -> bool:
         return True                 # it caches nothing of its own
 
