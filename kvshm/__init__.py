@@ -56,7 +56,7 @@ _SERVICE = {
         "BatchTooLarge", "ConnectionClosed", "ConnectionLost", "Forbidden", "FrameTooLarge",
         "HandshakeError", "HandshakeRequired", "HashMismatch", "InternalError", "NotOwner",
         "PoolInUse", "ProtocolError", "ReplyLost", "RequestTimeout", "ResumeFailed",
-        "SocketInUse", "VersionMismatch"), "kvshm.service.errors"),
+        "SocketInUse", "VersionMismatch"), "kvshm.ops.errors"),
 }
 
 

@@ -56,7 +56,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
         reports = []
         try:
             if args.connect:
-                from kvshm.service.errors import ConnectionLost, HandshakeError
+                from kvshm.ops.errors import ConnectionLost, HandshakeError
                 from kvshm.service.ipc_replay import replay_trace_connected
                 try:
                     mismatch, seconds, report = replay_trace_connected(
@@ -286,7 +286,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if kv_events.publishes:
             import_zmq()
     from kvshm.logs import setup_logging
-    from kvshm.service.tenants import parse_quota
+    from kvshm.ops.tenants import parse_quota
     setup_logging(args.log_level or ("warning" if args.quiet else "info"), args.log_json)
     quotas = dict(parse_quota(q, config.num_blocks - 1) for q in args.tenant_quota)
     if args.metrics_port is not None:
@@ -410,7 +410,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="stop after S seconds without a batch (default: follow forever)")
     p.set_defaults(fn=cmd_events)
 
-    from kvshm.service.sessions import DEFAULT_RESUME_GRACE
+    from kvshm.ops.sessions import DEFAULT_RESUME_GRACE
     p = sub.add_parser("serve", help="run the coordinator in the foreground")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--config", help="pool config file (.toml or .json)")

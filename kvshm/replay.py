@@ -23,8 +23,8 @@ import msgspec
 
 from kvshm.core.manager import KVCacheManager
 from kvshm.core.specs import CrossAttentionSpec, PoolConfig
-from kvshm.service import protocol as p
-from kvshm.service.ops import OpExecutor
+from kvshm.ops import protocol as p
+from kvshm.ops.executor import OpExecutor
 
 FREE_HEAD_LEN = 64
 
@@ -162,7 +162,7 @@ class EmbeddedReplayer:
     def __init__(self, config: PoolConfig, *, kv_events: bool = False) -> None:
         self.mgr = KVCacheManager(config, kv_events=kv_events)
         self.executor = OpExecutor(self.mgr)
-        self.owner = self.executor.open_owner(1, admin=True)
+        self.owner = self.executor.lifecycle.open(1, admin=True)
         self.translator = TraceTranslator()
 
     def close(self) -> None:

@@ -35,7 +35,7 @@ class Sample:
 
 
 def sample(seg) -> Sample:
-    from kvshm.service.sessions import SessionTable
+    from kvshm.ops.sessions import SessionTable
     records = {r.session_id: (r.pid, r.node, r.tenant) for r in SessionTable(seg).records()}
     return Sample(time.monotonic(), read_stats(seg), read_metrics(seg.metrics), records)
 
@@ -46,7 +46,7 @@ def _rate(new: float, old: float, dt: float) -> float:
 
 def render(prev: Sample, cur: Sample, name: str, width: int = 100) -> list[str]:
     """The lines of one frame: `cur`, with rates since `prev`."""
-    from kvshm.service.sessions import tenant_digest
+    from kvshm.ops.sessions import tenant_digest
     st, m = cur.stats, cur.metrics
     ps, pm = prev.stats, prev.metrics
     dt = cur.t - prev.t

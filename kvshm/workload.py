@@ -48,9 +48,9 @@ from collections.abc import Generator
 from dataclasses import dataclass, field
 
 from kvshm.core.manager import KVCacheManager
-from kvshm.service import protocol as p
-from kvshm.service.errors import raise_reply
-from kvshm.service.ops import OpExecutor
+from kvshm.ops import protocol as p
+from kvshm.ops.errors import raise_reply
+from kvshm.ops.executor import OpExecutor
 
 
 @dataclass(frozen=True)
@@ -233,7 +233,7 @@ class EmbeddedBackend:
         self.mgr = mgr
         self.max_model_len = mgr.max_model_len
         self.executor = OpExecutor(mgr)
-        self.owner = self.executor.open_owner(1)
+        self.owner = self.executor.lifecycle.open(1)
         self.calls = 0
         self.peak_usage = 0.0
 

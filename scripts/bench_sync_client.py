@@ -34,8 +34,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kvshm.core.specs import FullSpec, PoolConfig  # noqa: E402
-from kvshm.service import protocol as p  # noqa: E402
-from kvshm.service.framing import encode_frame  # noqa: E402
+from kvshm.ops import protocol as p  # noqa: E402
+from kvshm.ops.protocol import encode_frame  # noqa: E402
 from kvshm.service.process import CoordinatorProcess  # noqa: E402
 from kvshm.service.handshake import make_hello  # noqa: E402
 from kvshm.service.sync_client import connect_sync, open_wire_sync  # noqa: E402

@@ -31,9 +31,9 @@ import msgspec
 
 from kvshm.core.manager import KVCacheManager
 from kvshm.core.specs import PoolConfig
-from kvshm.service import protocol as p
-from kvshm.service.framing import encode_frame
-from kvshm.service.ops import OpExecutor
+from kvshm.ops import protocol as p
+from kvshm.ops.protocol import encode_frame
+from kvshm.ops.executor import OpExecutor
 from kvshm.service.process import CoordinatorProcess
 from kvshm.service.sync_client import connect_sync
 from kvshm.workload import EmbeddedBackend, WorkloadSpec, drive
@@ -124,7 +124,7 @@ class Embedded:
 
     def __init__(self, mgr: KVCacheManager) -> None:
         self.executor = OpExecutor(mgr)
-        self.owner = self.executor.open_owner(1)
+        self.owner = self.executor.lifecycle.open(1)
         self.failed = 0
 
     def run(self, steps: list[list]) -> None:
@@ -161,7 +161,7 @@ def bench_inprocess(config: PoolConfig, rec: Recording, batch: int, runs: int,
     mgr = KVCacheManager(config, name=f"kvshm-bench-{os.getpid()}-{os.urandom(3).hex()}")
     try:
         executor = OpExecutor(mgr)
-        owner = executor.open_owner(1, admin=True)
+        owner = executor.lifecycle.open(1, admin=True)
         decode = msgspec.msgpack.Decoder(p.Message).decode
         enc = msgspec.msgpack.Encoder()
         execute = executor.execute
@@ -207,7 +207,7 @@ def bench_inprocess(config: PoolConfig, rec: Recording, batch: int, runs: int,
                  "request_bytes_per_op": sum(map(len, bodies)) / n,
                  "error_replies": errors}, profile_text)
     finally:
-        executor.close_owner(owner)
+        executor.lifecycle.close(owner)
         mgr.close()
 
 

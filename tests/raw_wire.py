@@ -18,8 +18,9 @@ from helpers import make_config
 from kvshm import FullSpec, SlidingWindowSpec
 from kvshm.core.check import check_segment
 from kvshm.core.hashing import hash_fingerprint
-from kvshm.service import protocol as p
-from kvshm.service.framing import FrameReader, encode_frame
+from kvshm.ops import protocol as p
+from kvshm.service.framing import FrameReader
+from kvshm.ops.protocol import encode_frame
 from kvshm.service.server import Coordinator
 
 CONFIG = make_config(groups=(FullSpec(4), SlidingWindowSpec(4, 8)), num_blocks=64,

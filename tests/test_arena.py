@@ -16,7 +16,7 @@ from kvshm.core.errors import ConfigError, SegmentError, ShmSpaceError
 from kvshm.core.segment import SHM_DIR, list_segments, remove_segment
 from kvshm.core.specs import FullSpec, KVShape, PoolConfig, SlidingWindowSpec
 from kvshm.service.client import connect
-from kvshm.service.errors import InvalidArgument, UnknownRequest
+from kvshm.ops.errors import InvalidArgument, UnknownRequest
 
 SHAPE = KVShape(num_layers=2, num_kv_heads=2, head_size=8, dtype="float32")
 

@@ -13,10 +13,10 @@ import pytest
 
 from helpers import make_config, tokens, until
 from kvshm.core.check import check_segment
-from kvshm.service import protocol as p
-from kvshm.service.framing import encode_frame
+from kvshm.ops import protocol as p
+from kvshm.ops.protocol import encode_frame
 from kvshm.service.client import connect
-from kvshm.service.errors import RequestTimeout
+from kvshm.ops.errors import RequestTimeout
 from kvshm.service.server import Coordinator
 from raw_wire import CONFIG, Raw, snapshot
 
@@ -29,7 +29,7 @@ def coordinator_config():
 # -- a client killed while holding requests ----------------------------------------------------------
 KILLED_CLIENT = r"""
 import asyncio, sys
-from kvshm.service import protocol as p
+from kvshm.ops import protocol as p
 from kvshm.service.client import connect
 
 async def main():

@@ -27,25 +27,27 @@ from kvshm import FullSpec, SlidingWindowSpec
 from kvshm.core.check import check_segment
 from kvshm.core.faults import CRASH_EXIT_CODE, ENV, CrashSpec, core_classes
 from kvshm.core.segment import PoolSegment, remove_segment, segment_info
-from kvshm.service import protocol as p
+from kvshm.ops import protocol as p
 from kvshm.service.client import connect
-from kvshm.service.ops import OpExecutor
+from kvshm.ops.executor import OpExecutor
+from kvshm.ops.lifecycle import SessionLifecycle
 from kvshm.service.process import CoordinatorProcess
 from kvshm.service.resume import Reconnect
 from kvshm.service.server import Coordinator, Session
-from kvshm.service.sessions import SessionTable
+from kvshm.ops.sessions import SessionTable
 
 CFG = make_config(groups=(FullSpec(4), SlidingWindowSpec(4, 8)), num_blocks=96,
                   max_num_seqs=16)
 FAST = Reconnect(initial_delay=0.01, max_delay=0.05, timeout=30)
 # The ops (handlers) a crash is armed in: every op that writes the segment
 # (AddRequest and Advance only touch the coordinator's memory); _free covers
-# preemption too, close_owner the end of a session, execute_frame what a
-# frame does around its ops (the seq record, the commit).
-ARMS = ("_hits", "_alloc", "_admit", "_cache", "_free", "_skip", "_common",
-        "_evict", "_reset", "close_owner", "execute_frame")
-CLASSES = {**core_classes(), "OpExecutor": OpExecutor, "SessionTable": SessionTable,
-           "Session": Session}
+# preemption too, SessionLifecycle.close the end of a session, execute_frame
+# what a frame does around its ops (the seq record, the commit).
+ARMS = tuple(f"OpExecutor.{m}" for m in ("_hits", "_alloc", "_admit", "_cache", "_free",
+                                         "_skip", "_common", "_evict", "_reset",
+                                         "execute_frame")) + ("SessionLifecycle.close",)
+CLASSES = {**core_classes(), "OpExecutor": OpExecutor, "SessionLifecycle": SessionLifecycle,
+           "SessionTable": SessionTable, "Session": Session}
 # NOTE: the coordinator process resolves crash specs with the same classes
 # (serve() in kvshm/service/server.py).
 # Methods a crash may cut: every writer of pool state, the journal, the
@@ -169,7 +171,7 @@ def _run_case(spec: CrashSpec | None, body) -> tuple[list, bool]:
         # this client reconnects within ~50 ms, but a loaded CI machine has
         # delayed it past 1 s, so 5 s; a crash while the session closes
         # leaves nothing to resume, and the test waits out the grace: 1 s.
-        closing = spec is not None and spec.arm == "OpExecutor.close_owner"
+        closing = spec is not None and spec.arm == "SessionLifecycle.close"
         with CoordinatorProcess(CFG, name=name, env=env,
                                 extra_args=("--resume-grace", "1" if closing else "5")) as proc:
             res, crashed = asyncio.run(_drive(proc, lambda c, d: body(c, d, name)))
@@ -206,7 +208,7 @@ def _trace_reachable() -> list[tuple[str, str]]:
     def arm(cls, name, fn):
         @functools.wraps(fn)
         def w(*a, **k):
-            current.append(f"OpExecutor.{name}")
+            current.append(f"{cls.__name__}.{name}")
             try:
                 return fn(*a, **k)
             finally:
@@ -218,9 +220,11 @@ def _trace_reachable() -> list[tuple[str, str]]:
         for m in methods:
             saved.append((cls, m, getattr(cls, m)))
             setattr(cls, m, wrap(cls, m, getattr(cls, m)))
-    for m in ARMS:
-        saved.append((OpExecutor, m, getattr(OpExecutor, m)))
-        setattr(OpExecutor, m, arm(OpExecutor, m, getattr(OpExecutor, m)))
+    for a in ARMS:
+        cls_name, m = a.split(".")
+        cls = CLASSES[cls_name]
+        saved.append((cls, m, getattr(cls, m)))
+        setattr(cls, m, arm(cls, m, getattr(cls, m)))
     try:
         async def run():
             import tempfile
@@ -255,7 +259,7 @@ def reference():
 
 
 def test_the_sweep_covers_every_op_type():
-    arms = {a.rsplit(".", 1)[1] for a, _ in REACHABLE}
+    arms = {a for a, _ in REACHABLE}
     assert arms == set(ARMS), set(ARMS) - arms
     print(f"\ncrash sweep: {len(REACHABLE)} reachable (op, point) pairs, "
           f"{len(SIDES)} crash cases in this run")

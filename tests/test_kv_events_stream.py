@@ -72,7 +72,7 @@ def test_a_served_pool_publishes_vllm_s_stream(path, sockdir):
 
 def test_a_live_subscriber_sees_each_frame_as_a_batch(sockdir):
     from helpers import make_config, tokens
-    from kvshm.service import protocol as p
+    from kvshm.ops import protocol as p
     from kvshm.service.sync_client import connect_sync
     kv = endpoints(sockdir)
     config = make_config(num_blocks=16)
@@ -222,8 +222,8 @@ async def test_a_session_takes_the_events_of_its_own_frames(coordinator, monkeyp
     from helpers import make_config, tokens
     from kvshm.core.events import BlockRemoved as Removed
     from kvshm.core.events import decode_events
-    from kvshm.service import owner
-    from kvshm.service import protocol as p
+    from kvshm.ops import owner
+    from kvshm.ops import protocol as p
     from kvshm.service.client import connect
     coord = await coordinator(make_config(num_blocks=6))      # 5 usable blocks of 4 tokens
     async with await connect(coord.socket_path) as a, await connect(coord.socket_path) as b:

@@ -14,8 +14,8 @@ import pytest
 
 from helpers import make_config, tokens
 from kvshm.core import metrics as m
-from kvshm.service import protocol as p
-from kvshm.service.errors import ERROR_CLASSES
+from kvshm.ops import protocol as p
+from kvshm.ops.errors import ERROR_CLASSES
 from kvshm.service.process import CoordinatorProcess
 from kvshm.service.resume import Reconnect
 from kvshm.service.sync_client import connect_sync

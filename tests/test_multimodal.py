@@ -19,8 +19,8 @@ from kvshm import (
     UnknownRequest,
 )
 from kvshm.core.events import BlockStored, external_hash
-from kvshm.service import protocol as p
-from kvshm.service.errors import ProtocolError
+from kvshm.ops import protocol as p
+from kvshm.ops.errors import ProtocolError
 from kvshm.service.process import CoordinatorProcess
 from kvshm.service.resume import Reconnect
 from kvshm.service.sync_client import connect_sync

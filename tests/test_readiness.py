@@ -16,9 +16,9 @@ from helpers import check_pool, make_config, tokens
 from kvshm import KVCacheManager, Request
 from kvshm.core.check import check_segment
 from kvshm.core.segment import FLAG_CACHED, FLAG_PENDING, PoolSegment
-from kvshm.service import protocol as p
+from kvshm.ops import protocol as p
 from kvshm.service.client import connect
-from kvshm.service.ops import OpExecutor
+from kvshm.ops.executor import OpExecutor
 from kvshm.service.process import CoordinatorProcess
 from kvshm.service.resume import Reconnect
 
@@ -136,7 +136,7 @@ def test_admit_waits_for_tokens_in_flight_and_a_dead_writer_ends_the_wait():
     prompt = tokens(0, 30)                       # 7 full blocks
     with _mgr() as mgr:
         ex = OpExecutor(mgr)
-        writer, reader = ex.open_owner(1), ex.open_owner(2)
+        writer, reader = ex.lifecycle.open(1), ex.lifecycle.open(2)
         for owner, rid in ((writer, "w"), (reader, "r")):
             assert ex.execute(owner, p.AddRequest(rid, prompt)) == p.Done()
         # The writer admits a 16-token chunk: 4 blocks pending.
@@ -154,7 +154,7 @@ def test_admit_waits_for_tokens_in_flight_and_a_dead_writer_ends_the_wait():
         r = ex.execute(reader, p.GetComputedBlocks("r"))
         assert (r.num_computed_tokens, r.num_in_flight_tokens) == (16, 12)
         # The writer dies: its pending blocks are uncached, the wait is over.
-        ex.close_owner(writer)
+        ex.lifecycle.close(writer)
         r = ex.execute(reader, p.Admit("r", 30, wait_in_flight=8))
         assert r.num_computed_tokens == 16 and r.num_in_flight_tokens == 0
         assert len(r.new_block_ids[0]) == 4

@@ -17,9 +17,9 @@ import pytest
 from helpers import check_pool, make_config, tokens, until
 from kvshm.core.check import check_segment
 from kvshm.core.segment import PoolSegment, segment_info
-from kvshm.service import protocol as p
+from kvshm.ops import protocol as p
 from kvshm.service.client import connect, open_wire
-from kvshm.service.errors import ConnectionLost, Forbidden
+from kvshm.ops.errors import ConnectionLost, Forbidden
 from kvshm.service.process import CoordinatorProcess
 from kvshm.service.resume import Reconnect
 

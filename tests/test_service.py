@@ -27,11 +27,11 @@ from kvshm.core.errors import DuplicateRequest, InvalidArgument, UnknownRequest
 from kvshm.core.segment import SHM_DIR
 from kvshm.core.stats import read_stats
 from kvshm.replay import expand_paths, load_trace
-from kvshm.service import protocol as p
+from kvshm.ops import protocol as p
 from kvshm.service.client import connect
-from kvshm.service.errors import ConnectionLost, Forbidden, HashMismatch, NotOwner
+from kvshm.ops.errors import ConnectionLost, Forbidden, HashMismatch, NotOwner
 from kvshm.service.ipc_replay import replay_trace_ipc
-from kvshm.service.ops import OpExecutor
+from kvshm.ops.executor import OpExecutor
 from kvshm.service.process import CoordinatorProcess
 from kvshm.service.handshake import default_socket_path
 from kvshm.service.server import Coordinator
@@ -59,7 +59,7 @@ class Mirror:
     def __init__(self, config) -> None:
         self.mgr = KVCacheManager(config)
         self.executor = OpExecutor(self.mgr)
-        self.owner = self.executor.open_owner(1, admin=True)
+        self.owner = self.executor.lifecycle.open(1, admin=True)
 
     def run(self, op):
         reply = self.executor.execute(self.owner, op)

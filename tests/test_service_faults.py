@@ -18,8 +18,9 @@ import pytest
 from helpers import make_config, tokens, until
 from kvshm.core.errors import KvshmError
 from kvshm.core.hashing import hash_fingerprint
-from kvshm.service import protocol as p
-from kvshm.service.framing import MAX_FRAME_BYTES, encode_frame
+from kvshm.ops import protocol as p
+from kvshm.service.framing import MAX_FRAME_BYTES
+from kvshm.ops.protocol import encode_frame
 from kvshm.service.client import connect
 from raw_wire import CONFIG, FP, HELLO, Raw, frame, snapshot
 
@@ -233,7 +234,7 @@ async def test_bad_input_gets_a_typed_error_and_changes_nothing(populated, case)
 def test_error_codes_map_to_exception_classes():
     from kvshm.core.errors import (DuplicateRequest, InvalidArgument, KvshmError, StaleHits,
                                    UnknownRequest)
-    from kvshm.service import errors as e
+    from kvshm.ops import errors as e
     for code, cls in [("BAD_MESSAGE", e.ProtocolError), ("FRAME_TOO_LARGE", e.FrameTooLarge),
                       ("BATCH_TOO_LARGE", e.BatchTooLarge),
                       ("HANDSHAKE_REQUIRED", e.HandshakeRequired),
@@ -253,8 +254,8 @@ def test_error_fields_survive_the_wire_format():
     from kvshm.core.errors import (ConfigError, DuplicateRequest, NoFreeBlocks,
                                    RequestTableFull, RequestTooLong, ShmSpaceError,
                                    UnknownRequest)
-    from kvshm.service import errors as e
-    from kvshm.service.ops import error_reply
+    from kvshm.ops import errors as e
+    from kvshm.ops.executor import error_reply
     decoder = msgspec.msgpack.Decoder(p.ServerMessage)
     for err, want in [
             (UnknownRequest("r1"), {"request_id": "r1"}),
@@ -281,13 +282,14 @@ def test_error_fields_survive_the_wire_format():
 def test_no_free_blocks_is_not_a_bad_argument():
     from kvshm.core.errors import InvalidArgument, NoFreeBlocks
     assert not issubclass(NoFreeBlocks, InvalidArgument)
-    from kvshm.service import errors, framing
+    from kvshm.ops import errors
+    from kvshm.service import framing
     assert framing.FrameTooLarge is errors.FrameTooLarge
 
 
 async def test_clients_get_the_fields_of_a_coordinator_s_errors(populated):
     from kvshm.core.errors import DuplicateRequest, UnknownRequest
-    from kvshm.service.errors import NotOwner
+    from kvshm.ops.errors import NotOwner
     coord, holder = populated
     async with await connect(coord.socket_path) as c:
         with pytest.raises(UnknownRequest) as ei:
@@ -302,7 +304,7 @@ async def test_clients_get_the_fields_of_a_coordinator_s_errors(populated):
 
 async def test_client_raises_typed_errors_and_stays_usable(populated):
     from kvshm.core.errors import InvalidArgument, UnknownRequest
-    from kvshm.service.errors import BatchTooLarge, NotOwner, ProtocolError
+    from kvshm.ops.errors import BatchTooLarge, NotOwner, ProtocolError
     coord, holder = populated
     before = snapshot(coord)
     async with await connect(coord.socket_path) as c:

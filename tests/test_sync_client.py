@@ -13,8 +13,8 @@ import pytest
 from helpers import make_config, tokens
 from kvshm.core.errors import InvalidArgument, UnknownRequest
 from kvshm.core.segment import remove_segment
-from kvshm.service import protocol as p
-from kvshm.service.errors import (
+from kvshm.ops import protocol as p
+from kvshm.ops.errors import (
     ConnectionClosed,
     ConnectionLost,
     HashMismatch,

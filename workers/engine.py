@@ -40,8 +40,8 @@ import time
 from collections import deque
 
 from kvshm.core.specs import FullSpec, MLASpec, PoolConfig, SlidingWindowSpec
-from kvshm.service import protocol as p
-from kvshm.service.errors import ReplyLost, ResumeFailed
+from kvshm.ops import protocol as p
+from kvshm.ops.errors import ReplyLost, ResumeFailed
 from kvshm.workers.compute import MODELS, make_compute
 from kvshm.workers.engine_types import EngineOptions, EngineStats
 from kvshm.workers.traffic import Item

@@ -30,7 +30,7 @@ from __future__ import annotations
 GLOBALS = ("frames", "sessions_open", "sessions_total", "sessions_resumed",
            "handshakes_refused", "preemptions", "events_published", "events_dropped",
            "quota_refusals")
-# The op tags of the wire protocol (kvshm/service/protocol.py), in a fixed
+# The op tags of the wire protocol (kvshm/ops/protocol.py), in a fixed
 # order: the index is part of the layout.
 OP_NAMES = ("add", "advance", "hits", "alloc", "admit", "cache", "free", "skip", "ids",
             "common", "reset", "evict", "stats", "take_events")

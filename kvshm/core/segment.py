@@ -132,7 +132,7 @@ FRAME_CACHE_STAMP_WORD = HEADER_FIELDS["frame_cache_stamp"][0] // 8
 ALLOCATED_WORD = HEADER_FIELDS["blocks_allocated"][0] // 8
 EVICTED_WORD = HEADER_FIELDS["blocks_evicted"][0] // 8
 
-# Session records of the coordinator (kvshm/service/sessions.py gives the
+# Session records of the coordinator (kvshm/ops/sessions.py gives the
 # words their meaning); each has room for its last two frame replies.
 SESSION_SLOTS = 256
 SESSION_WORDS = 16

@@ -1,1 +1,2 @@
-"""The coordinator process, its wire protocol and the asyncio client."""
+"""The transport: the coordinator process (asyncio on uvloop), frame reading,
+the handshake and both clients.  What an op does is `kvshm.ops`."""

@@ -31,8 +31,8 @@ import msgspec
 from kvshm.core.errors import KvshmError
 from kvshm.core.events import decode_events
 from kvshm.core.hashing import DEFAULT_HASH_ALGORITHM, DEFAULT_HASH_SEED
-from kvshm.service import protocol as p
-from kvshm.service.errors import (
+from kvshm.ops import protocol as p
+from kvshm.ops.errors import (
     ConnectionClosed,
     ConnectionLost,
     FrameTooLarge,
@@ -44,7 +44,8 @@ from kvshm.service.errors import (
     error_from_wire,
     raise_reply,
 )
-from kvshm.service.framing import REPLY_LIMIT_BYTES, FrameReader, encode_frame
+from kvshm.service.framing import REPLY_LIMIT_BYTES, FrameReader
+from kvshm.ops.protocol import encode_frame
 from kvshm.service.handshake import SessionInfo, check_welcome, make_hello, socket_path
 from kvshm.service.resume import Reconnect, RequestMirror
 

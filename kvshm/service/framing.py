@@ -1,5 +1,6 @@
-"""Framing of the coordinator protocol: a 4-byte little-endian length, then
-a msgpack body (one of the Structs of protocol.py).
+"""Reading frames of the coordinator protocol off a stream: a 4-byte
+little-endian length, then a msgpack body (one of the Structs of
+ops/protocol.py, which also encodes them: `encode_frame`).
 
 Frames over the receiver's limit (MAX_FRAME_BYTES for the coordinator) end
 the stream: it cannot be resynchronised after a bad length.
@@ -7,23 +8,11 @@ the stream: it cannot be resynchronised after a bad length.
 
 from __future__ import annotations
 
-import msgspec
-
-from kvshm.service.errors import FrameTooLarge
+from kvshm.ops.errors import FrameTooLarge
+from kvshm.ops.protocol import LENGTH_BYTES
 
 MAX_FRAME_BYTES = 8 * 2**20     # what the coordinator accepts
 REPLY_LIMIT_BYTES = 2**30       # what a client accepts (a stats reply can be large)
-LENGTH_BYTES = 4
-
-_encoder = msgspec.msgpack.Encoder()
-
-
-def encode_frame(msg: msgspec.Struct) -> bytearray:
-    """Length prefix + msgpack body, encoded in place."""
-    buf = bytearray(LENGTH_BYTES)
-    _encoder.encode_into(msg, buf, LENGTH_BYTES)
-    buf[:LENGTH_BYTES] = (len(buf) - LENGTH_BYTES).to_bytes(LENGTH_BYTES, "little")
-    return buf
 
 
 class FrameReader:

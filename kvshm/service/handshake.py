@@ -26,8 +26,8 @@ from kvshm.core.hashing import (
 )
 from kvshm.core.shm import valid_name
 from kvshm.core.specs import PoolConfig
-from kvshm.service import protocol as p
-from kvshm.service.errors import Forbidden, ProtocolError, raise_reply
+from kvshm.ops import protocol as p
+from kvshm.ops.errors import Forbidden, ProtocolError, raise_reply
 
 
 def default_socket_path(name: str) -> Path:

@@ -22,7 +22,7 @@ from kvshm.core.check import CheckReport, check_segment
 from kvshm.core.segment import PoolSegment
 from kvshm.core.specs import PoolConfig
 from kvshm.replay import Mismatch, TraceTranslator, check_reply, trace_pool_config
-from kvshm.service import protocol as p
+from kvshm.ops import protocol as p
 from kvshm.service.client import Client, connect
 from kvshm.service.loop import run_async
 from kvshm.service.process import CoordinatorProcess

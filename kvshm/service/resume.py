@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvshm.service import protocol as p
+from kvshm.ops import protocol as p
 
 RESTORE_REQUESTS_PER_FRAME = 64
 

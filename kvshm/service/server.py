@@ -27,8 +27,8 @@ from kvshm.core.errors import InvalidArgument, KvshmError
 from kvshm.core.hashing import hash_fingerprint
 from kvshm.core.metrics import TENANT_SLOTS
 from kvshm.core.specs import PoolConfig
-from kvshm.service import protocol as p
-from kvshm.service.errors import (
+from kvshm.ops import protocol as p
+from kvshm.ops.errors import (
     Forbidden,
     HandshakeError,
     HandshakeRequired,
@@ -41,13 +41,14 @@ from kvshm.service.errors import (
 )
 from kvshm.service.adoption import adopt_pool, create_pool
 from kvshm.service.events import EventPublisher, KVEventsConfig
-from kvshm.service.framing import MAX_FRAME_BYTES, FrameReader, encode_frame
+from kvshm.service.framing import MAX_FRAME_BYTES, FrameReader
+from kvshm.ops.protocol import encode_frame
 from kvshm.service.handshake import admin_token_path
-from kvshm.service.ops import OpExecutor
-from kvshm.service.owner import Owner
+from kvshm.ops.executor import OpExecutor
+from kvshm.ops.owner import Owner
 from kvshm.service.process import early_stop_requested
-from kvshm.service.sessions import DEFAULT_RESUME_GRACE
-from kvshm.service.tenants import tenant_name_problem
+from kvshm.ops.sessions import DEFAULT_RESUME_GRACE
+from kvshm.ops.tenants import tenant_name_problem
 
 log = logging.getLogger("kvshm.coordinator")
 
@@ -148,7 +149,7 @@ class Coordinator:
             batch per frame that changed the prefix cache;
             service/events.py).
         tenant_quotas: tenant -> the most blocks its sessions may hold
-            (service/tenants.py; a tenant not named is unlimited).
+            (ops/tenants.py; a tenant not named is unlimited).
     """
 
     def __init__(self, config: PoolConfig, *, name: str, socket_path: str | Path,
@@ -188,12 +189,12 @@ class Coordinator:
         self.metrics = self.executor.metrics
         first_id = 1
         if self.adoption is not None:
-            found = self.executor.adopt()
+            found = self.executor.lifecycle.adopt()
             self.adoption.notes.append(
                 f"{found['sessions']} session(s) may resume within {resume_grace:g}s, "
                 f"holding {found['requests']} request(s); freed "
                 f"{found['freed_without_session']} request(s) of sessions without a record")
-            first_id = self.executor.max_session_id() + 1
+            first_id = self.executor.lifecycle.max_session_id() + 1
         self.fingerprint = hash_fingerprint(self.config.hash_algorithm, self.config.hash_seed)
         self.generation = self.mgr.segment.get("generation")
         self.sessions: dict[int, Session] = {}
@@ -224,7 +225,7 @@ class Coordinator:
         self._bound = True
         self._served = True
         os.chmod(path, 0o600)
-        if self.executor.unresumed:
+        if self.executor.lifecycle.unresumed:
             self._grace = asyncio.get_running_loop().call_later(self.resume_grace,
                                                                 self.expire_unresumed)
         self.publish_events()
@@ -273,8 +274,8 @@ class Coordinator:
         """End of the grace period: requests of sessions that did not come
         back are freed (their cached blocks stay cached)."""
         self._grace = None
-        n = len(self.executor.unresumed)
-        freed = self.executor.expire_unresumed()
+        n = len(self.executor.lifecycle.unresumed)
+        freed = self.executor.lifecycle.expire_unresumed()
         self.publish_events()
         if n:
             log.info("resume grace period over: %d session(s) did not come back, "
@@ -287,7 +288,7 @@ class Coordinator:
         owner = s.owner
         if owner is not None:
             n = len(owner.requests)
-            self.executor.close_owner(owner)
+            self.executor.lifecycle.close(owner)
             self.publish_events()
             how = "closed by the client" if exc is None else f"connection lost ({exc})"
             log.info("session %d ended (pid %d, node %d, tenant %r): %s; %d request(s) "
@@ -367,7 +368,7 @@ class Coordinator:
         resumed, rids, resume_error = False, [], ""
         if hello.resume_token:
             try:
-                owner, rids = ex.resume(hello.resume_token, hello.tenant, admin=admin)
+                owner, rids = ex.lifecycle.resume(hello.resume_token, hello.tenant, admin=admin)
             except ResumeFailed as e:   # go on as a fresh session, and say why
                 resume_error = str(e)
             else:
@@ -379,8 +380,8 @@ class Coordinator:
                 log.info("session %d resumed (pid %d, node %d, tenant %r): %d request(s) "
                          "taken back", s.id, s.peer_pid, hello.node, tenant, len(rids))
         if not resumed:
-            s.owner = ex.open_owner(s.id, hello.tenant, admin=admin, pid=hello.pid,
-                                    node=hello.node)
+            s.owner = ex.lifecycle.open(s.id, hello.tenant, admin=admin, pid=hello.pid,
+                                        node=hello.node)
             log.info("session %d connected (pid %d, node %d, tenant %r%s)%s", s.id,
                      s.peer_pid, hello.node, tenant, ", admin" if admin else "",
                      f"; could not resume: {resume_error}" if resume_error else "")
@@ -439,7 +440,8 @@ async def serve(config: PoolConfig, *, name: str, socket_path: str | Path,
     from kvshm.core.faults import core_classes, install_from_env
     from kvshm.core.segment import segment_info
     from kvshm.service.adoption import remove_pool
-    from kvshm.service.sessions import SessionTable
+    from kvshm.ops.lifecycle import SessionLifecycle
+    from kvshm.ops.sessions import SessionTable
 
     info = segment_info(name)
     if info is not None and info["alive"]:
@@ -464,6 +466,7 @@ async def serve(config: PoolConfig, *, name: str, socket_path: str | Path,
     if early_stop_requested():
         stop.set()
     crash = install_from_env({**core_classes(), "OpExecutor": OpExecutor,
+                              "SessionLifecycle": SessionLifecycle,
                               "SessionTable": SessionTable, "Session": Session,
                               "Coordinator": Coordinator})
     if crash is not None:

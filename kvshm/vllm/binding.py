@@ -155,7 +155,7 @@ class PoolBinding:
         started beside its coordinator waits for it to listen, up to
         KVSHM_CONNECT_TIMEOUT seconds (30)."""
         if self.client is None:
-            from kvshm.service.errors import ConnectionLost, RequestTimeout
+            from kvshm.ops.errors import ConnectionLost, RequestTimeout
             from kvshm.service.handshake import default_socket_path
             from kvshm.service.sync_client import connect_sync
             t = self.target

@@ -41,8 +41,8 @@ from kvshm.core.errors import StaleHits
 from kvshm.core.hashing import HASH_SLOT_BYTES
 from kvshm.core.segment import FLAG_CACHED, PoolSegment
 from kvshm.core.specs import CrossAttentionSpec, FullSpec, MLASpec, PoolConfig
-from kvshm.service import protocol as p
-from kvshm.service.errors import Forbidden
+from kvshm.ops import protocol as p
+from kvshm.ops.errors import Forbidden
 from kvshm.service.sync_client import SyncClient
 
 log = logging.getLogger("kvshm.vllm")

@@ -7,20 +7,20 @@ request upkeep a scheduler-facing service needs: each request's `Request`
 object (tokens, hashes, computed count), its owner, and the hits of its last
 lookup (for `AllocateSlots(use_computed_blocks=True)`).  The coordinator
 (server.py) adds only sockets, sessions and framing around it; the embedded
-replay, the benchmarks and the tests call it directly.
+replay, the benchmarks and the tests call it directly.  Sessions open, end
+and resume through `executor.lifecycle` (lifecycle.py).
 
 With `resumable=True` (the coordinator) sessions get records in the segment
-(service/sessions.py): `execute_frame` runs a frame as one journaled core
-frame that also records its seq and reply, and `adopt()` rebuilds, after a
-restart, what a resuming session takes back (`resume`): its requests, held
-as placeholders until the client restores them with `AddRequest`.
+(ops/sessions.py): `execute_frame` runs a frame as one journaled core
+frame that also records its seq and reply, and after a restart
+`lifecycle.adopt()` rebuilds what a resuming session takes back
+(`lifecycle.resume`): its requests, held as placeholders until the client
+restores them with `AddRequest`.
 """
 
 from __future__ import annotations
 
 import logging
-
-import secrets
 from time import perf_counter_ns
 
 import msgspec
@@ -41,21 +41,20 @@ from kvshm.core.metrics import (
     MetricsWriter,
     global_word,
     op_base,
-    tenant_base,
 )
 from kvshm.core.request import Request
-from kvshm.service import protocol as p
-from kvshm.service.framing import encode_frame
-from kvshm.service.errors import (
+from kvshm.ops import protocol as p
+from kvshm.ops.protocol import encode_frame
+from kvshm.ops.errors import (
     BatchTooLarge,
     Forbidden,
     InternalError,
     NotOwner,
-    ResumeFailed,
 )
-from kvshm.service.sessions import SessionRecord, SessionTable, tenant_digest
-from kvshm.service.owner import Owner, ReqState
-from kvshm.service.tenants import TenantBook, check_request_id, unscoped
+from kvshm.ops.lifecycle import SessionLifecycle
+from kvshm.ops.sessions import SessionTable
+from kvshm.ops.owner import Owner, ReqState
+from kvshm.ops.tenants import TenantBook, check_request_id, unscoped
 
 log = logging.getLogger("kvshm.coordinator")
 
@@ -95,9 +94,6 @@ class OpExecutor:
         self.requests: dict[str, ReqState] = {}
         self.owners: dict[int, Owner] = {}
         self.sessions = SessionTable(mgr.segment) if resumable else None
-        # Sessions of the previous coordinator that may still resume, by id:
-        # their record and the ids of the requests they hold.
-        self.unresumed: dict[int, tuple[SessionRecord, list[str]]] = {}
         self._base_hasher = mgr.make_hasher()
         self._hashers: dict[str, object] = {}
         self._dispatch = {
@@ -110,137 +106,7 @@ class OpExecutor:
             p.TakeEvents: self._take_events,
         }
         self._op_base = {cls: op_base(cls.__struct_config__.tag) for cls in self._dispatch}
-
-    # -- owners --------------------------------------------------------------------------
-    def open_owner(self, id: int, tenant: str = "", *, admin: bool = False, pid: int = 0,
-                   node: int = -1) -> Owner:
-        """Register owner `id` (a session) of `tenant`'s namespace; with
-        resumable sessions it gets a record and a secret `resume_token`."""
-        owner = Owner(id, tenant, self.hasher_for(tenant), admin, self.tenants.slot(tenant))
-        if self.sessions is not None:
-            token = secrets.token_urlsafe(24)
-            owner.record = self.sessions.allocate(id, token, tenant, admin=admin, pid=pid,
-                                                  node=node)
-            if owner.record is not None:
-                owner.resume_token = token
-        self.owners[id] = owner
-        self.metrics.add("sessions_total")
-        self.metrics.set("sessions_open", len(self.owners))
-        return owner
-
-    def close_owner(self, owner: Owner) -> None:
-        """Free every request of `owner` and forget it (a session ended),
-        in one frame."""
-        if self.owners.pop(owner.id, None) is None:
-            return
-        mgr = self.mgr
-        if mgr.segment.closed:
-            return
-        self.metrics.set("sessions_open", len(self.owners))
-        mgr.begin_frame()
-        start = self.tenants.begin(owner.tenant, owner.mbase)
-        for rid in owner.requests:
-            self.requests.pop(rid, None)
-            mgr.free(rid)
-        self.tenants.end(owner.mbase, start)
-        owner.requests.clear()
-        if owner.record is not None:
-            self.sessions.release(owner.record)
-            owner.record = None
-        mgr.commit_frame()
-
-    # -- restarts ------------------------------------------------------------------------
-    def adopt(self) -> dict[str, int]:
-        """After a restart: the sessions that may resume, each holding its
-        requests as placeholders; requests of sessions without a record are
-        freed.  Returns counts for the log."""
-        mgr = self.mgr
-        records = {r.session_id: r for r in self.sessions.records()}
-        for r in records.values():
-            self.sessions.take(r.slot)
-        held: dict[int, list[str]] = {}
-        table = mgr.table
-        for rid, slot in table.slot_of.items():
-            held.setdefault(table.owner(slot), []).append(rid)
-        orphaned = 0
-        mgr.begin_frame()
-        for sid, rids in held.items():
-            if sid not in records:
-                for rid in rids:
-                    mgr.free(rid)
-                orphaned += len(rids)
-        mgr.commit_frame()
-        self.unresumed = {sid: (rec, held.get(sid, [])) for sid, rec in records.items()}
-        by_tenant: dict[bytes, list[str]] = {}
-        for rec, rids in self.unresumed.values():
-            by_tenant.setdefault(rec.tenant, []).extend(rids)
-        self.tenants.rebuild(by_tenant)
-        return {"sessions": len(records),
-                "requests": sum(len(rids) for _, rids in self.unresumed.values()),
-                "freed_without_session": orphaned}
-
-    def max_session_id(self) -> int:
-        """The largest session id the segment knows (new ids go above it)."""
-        ids = list(self.unresumed)
-        table = self.mgr.table
-        ids += [table.owner(slot) for slot in table.slot_of.values()]
-        return max(ids, default=0)
-
-    def resume(self, token: str, tenant: str, *, admin: bool) -> tuple[Owner, list[str]]:
-        """Take back the session whose resume token is `token`: its owner
-        (same id, seq and token) and the ids of its requests (placeholders
-        until restored).  Raises ResumeFailed (unknown, expired or live
-        session, other tenant); nothing changes then."""
-        sessions = self.sessions
-        if sessions is None:
-            raise ResumeFailed("this pool does not keep resumable sessions")
-        for sid, (rec, rids) in self.unresumed.items():
-            if sessions.token_matches(rec, token):
-                break
-        else:
-            live = any(o.resume_token and o.resume_token == token
-                       for o in self.owners.values())
-            raise ResumeFailed("that session is connected already (a resume token is "
-                               "good for one connection)" if live else
-                               "no session to resume with that token (wrong token, "
-                               "another pool's, or the grace period is over)")
-        if rec.tenant != tenant_digest(tenant):
-            raise ResumeFailed("the resume token belongs to another tenant's session")
-        del self.unresumed[sid]
-        owner = Owner(sid, tenant, self.hasher_for(tenant), admin, self.tenants.slot(tenant))
-        owner.record = rec.slot
-        owner.seq = rec.last_seq
-        owner.resume_token = token
-        for rid in rids:
-            self.requests[rid] = ReqState(None, owner)
-            owner.requests.add(rid)
-        self.owners[sid] = owner
-        self.metrics.add("sessions_resumed")
-        self.metrics.set("sessions_open", len(self.owners))
-        n = len(owner.scope)
-        return owner, [rid[n:] for rid in rids]
-
-    def expire_unresumed(self) -> int:
-        """The grace period is over: free the requests of sessions that did
-        not come back (their cached blocks stay cached), drop their records.
-        Returns how many requests were freed."""
-        mgr = self.mgr
-        freed = 0
-        book = self.tenants
-        mgr.begin_frame()
-        for rec, rids in self.unresumed.values():
-            tenant = book.by_digest(rec.tenant)
-            base = None if tenant is None else tenant_base(tenant[1])
-            start = None if tenant is None else book.begin(tenant[0], base)
-            for rid in rids:
-                mgr.free(rid)
-            if start is not None:
-                book.end(base, start)
-            freed += len(rids)
-            self.sessions.release(rec.slot)
-        mgr.commit_frame()
-        self.unresumed = {}
-        return freed
+        self.lifecycle = SessionLifecycle(self)
 
     def hasher_for(self, tenant: str):
         """The block hasher of `tenant`'s namespace (None: caching off)."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from kvshm.core.metrics import tenant_base
 from kvshm.core.request import Request
-from kvshm.service.tenants import TenantBook
+from kvshm.ops.tenants import TenantBook
 
 MAX_OWNER_EVENTS = 100_000   # KV-cache events kept for a session between its TakeEvents
 

@@ -18,7 +18,7 @@ from kvshm.core.errors import (
     StaleHits,
     UnknownRequest,
 )
-from kvshm.service.protocol import Error
+from kvshm.ops.protocol import Error
 
 
 class ProtocolError(KvshmError):

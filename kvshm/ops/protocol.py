@@ -1,6 +1,8 @@
-"""Every wire type of the coordinator protocol (framing is in framing.py).
+"""Every wire type of the coordinator protocol, and how one is encoded as a
+frame (`encode_frame`; the transport's frame reader is service/framing.py).
 
-Each frame's body is one of these msgpack-encoded Structs.  The
+A frame is a 4-byte little-endian length, then the msgpack body: one of
+these Structs.  The
 client's first frame is `Hello`, answered by `Welcome` (or `Error`); after
 that every frame carries one operation (or a `Batch` of them) and is
 answered by exactly one frame, in order.  Errors are replies (`Error`), never
@@ -17,6 +19,17 @@ from kvshm.core.extra_keys import MultiModalFeature, check_mm_features, embeds_r
 
 PROTOCOL_VERSION = 7
 MAX_BATCH_OPS = 4096
+LENGTH_BYTES = 4                # a frame's length prefix
+
+_encoder = msgspec.msgpack.Encoder()
+
+
+def encode_frame(msg: msgspec.Struct) -> bytearray:
+    """Length prefix + msgpack body, encoded in place."""
+    buf = bytearray(LENGTH_BYTES)
+    _encoder.encode_into(msg, buf, LENGTH_BYTES)
+    buf[:LENGTH_BYTES] = (len(buf) - LENGTH_BYTES).to_bytes(LENGTH_BYTES, "little")
+    return buf
 
 
 class _Op(msgspec.Struct, frozen=True, array_like=True, gc=False, tag_field="op"):

@@ -32,7 +32,7 @@ from kvshm.core.metrics import (
     tenant_name,
     tenant_word,
 )
-from kvshm.service.sessions import tenant_digest
+from kvshm.ops.sessions import tenant_digest
 
 SCOPE_MARK = "\x1f"
 _BLOCKS, _QUERIES, _HITS, _QUERY_TOKENS, _HIT_TOKENS = (
