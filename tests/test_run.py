@@ -477,12 +477,18 @@ def test_workers_ride_through_coordinator_kills(tmp_path):
     assert not leftovers(before)
 
 
-def _wait_for_work(pool: str, timeout: float = 60.0) -> None:
+def _wait_for_work(pool: str, resumed: int = 0, timeout: float = 60.0) -> None:
+    """Until both workers run requests on the pool and, after a restart,
+    `resumed` sessions in all have resumed on it (an adopted pool holds the
+    requests of sessions still to resume, so its request count alone does
+    not show that they came back)."""
+    from kvshm.core.metrics import read_metrics
     from kvshm.core.segment import PoolSegment
     deadline = time.monotonic() + timeout
     with PoolSegment.attach(pool) as seg:
-        while seg.get("num_requests") < 2:
-            assert time.monotonic() < deadline, "the workers never started"
+        while (seg.get("num_requests") < 2
+               or read_metrics(seg.metrics)["sessions_resumed"] < resumed):
+            assert time.monotonic() < deadline, "the workers never started or resumed"
             time.sleep(0.05)
     time.sleep(0.5)
 
@@ -496,8 +502,9 @@ def test_connected_workers_ride_through_an_external_restart(tmp_path):
                                  "--grace", "3", "--workers", "2", "--quiet", "--json",
                                  str(out)],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for _ in range(2):
-            _wait_for_work(coord.name)     # both workers connected and running
+        for restarts in range(2):
+            # Both workers connected and running (after a restart: resumed).
+            _wait_for_work(coord.name, resumed=2 * restarts)
             coord.kill()
             coord.restart()
         stdout, stderr = proc.communicate(timeout=TIMEOUT)
