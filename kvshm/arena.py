@@ -38,7 +38,7 @@ import struct
 import numpy as np
 
 from kvshm.core.errors import ConfigError, SegmentError
-from kvshm.core.segment import ARENA_MAGIC, HEADER_FIELDS, config_fingerprint
+from kvshm.core.layout import ARENA_MAGIC, HEADER_FIELDS, config_fingerprint
 from kvshm.core.shm import OwnedMapping, Shm, create_shm, open_shm
 from kvshm.core.specs import KV_DTYPES, PoolConfig
 

@@ -2,7 +2,8 @@
 
 `kvshm serve`, `kvshm run` and the benchmarks describe a pool the same way:
 its shape from a model-shaped preset, a config file or a vLLM model
-directory; its size as a block count or a KV memory budget; optionally other
+directory (`read_model`: the KV-cache shape its config.json gives, as vLLM
+derives it; `model_pool_config`); its size as a block count or a KV memory budget; optionally other
 block hashing.  `PoolSource` holds those choices and `resolve_config` turns
 them into a `PoolConfig` (kvshm/core/specs.py: the type and its rules; every
 PoolConfig checks itself when built).  `pool_bytes` is what a pool takes in
@@ -16,17 +17,21 @@ CPU workers' transformer also gives the rest of its decoder (`DecoderShape`).
 
 from __future__ import annotations
 
+import argparse
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 import msgspec
 
 from kvshm.arena import arena_bytes
 from kvshm.core.errors import ConfigError
-from kvshm.core.segment import Layout
-from kvshm.core.hashing import DEFAULT_HASH_SEED
+from kvshm.core.layout import Layout
+from kvshm.core.hashing import DEFAULT_HASH_SEED, HASH_ALGORITHMS
 from kvshm.core.specs import (
     CrossAttentionSpec,
     FullSpec,
+    KV_DTYPES,
     GroupSpec,
     KVShape,
     MambaSpec,
@@ -189,6 +194,45 @@ class PoolSource(msgspec.Struct, frozen=True, kw_only=True):
         return cls(**values)
 
 
+def add_pool_arguments(p: argparse.ArgumentParser, *, vllm: bool = True,
+                       hashing: bool = True, required: bool = False,
+                       default_preset: str | None = None):
+    """The flags a command describes a pool with, named as `PoolSource`'s
+    fields (`PoolSource.from_args` reads them back): its shape (a preset, a
+    config file or, with `vllm`, a vLLM model and the flags that go with it),
+    its size (a block count or a KV memory budget) and, with `hashing`, the
+    block hashing.  Returns the group of the shape flags, which are mutually
+    exclusive, so that a command can add another way to name a pool to it
+    (`kvshm run --connect`)."""
+    shape = p.add_mutually_exclusive_group(required=required)
+    shape.add_argument("--config", help="pool config file (.toml or .json)")
+    shape.add_argument("--preset", help="a model-shaped preset: " + ", ".join(PRESETS) +
+                       (f" (default {default_preset})" if default_preset else ""))
+    if vllm:
+        shape.add_argument("--vllm-model", metavar="DIR",
+                           help="a pool for vLLM engines serving the model in DIR (its "
+                           "config.json): one KV-cache group, the arena laid out as vLLM's "
+                           "CPU attention tensors, vLLM's sha256 block hashes (docs/vllm.md)")
+        p.add_argument("--block-size", type=int,
+                       help="with --vllm-model: tokens per block (vLLM's CPU default, 128)")
+        p.add_argument("--dtype", choices=("auto", *KV_DTYPES),
+                       help="with --vllm-model: the KV dtype (auto: as vLLM picks it)")
+        p.add_argument("--max-model-len", type=int,
+                       help="with --vllm-model: longest request (default: the model's)")
+    if hashing:
+        p.add_argument("--hash-algorithm", choices=HASH_ALGORITHMS,
+                       help="block hash algorithm (overrides the config's; vLLM engines "
+                       "need vllm-sha256 or vllm-sha256-cbor)")
+        p.add_argument("--hash-seed", help="block hash seed (overrides the config's; for "
+                       "vLLM algorithms the engines' PYTHONHASHSEED)")
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--num-blocks", type=int, help="pool size in blocks")
+    size.add_argument("--kv-memory",
+                      help="KV memory budget (e.g. 4G) -> blocks (needs a KV shape; a "
+                      f"preset or --vllm-model without a size gets {DEFAULT_KV_MEMORY})")
+    return shape
+
+
 def resolve_config(source: PoolSource, *, default_preset: str | None = None,
                    default_kv_memory: str | int = DEFAULT_KV_MEMORY,
                    need_kv: bool = False) -> PoolConfig:
@@ -211,7 +255,6 @@ def resolve_config(source: PoolSource, *, default_preset: str | None = None,
         raise ConfigError("num_blocks", "give a block count or a KV memory budget, not both")
     budget = None if source.kv_memory is None else _bytes(source.kv_memory)
     if source.vllm_model:
-        from kvshm.vllm.model import VLLM_CPU_BLOCK_SIZE, model_pool_config
         config = model_pool_config(
             source.vllm_model, kv_memory=budget or _bytes(default_kv_memory),
             block_size=source.block_size or VLLM_CPU_BLOCK_SIZE,
@@ -272,3 +315,88 @@ def pool_bytes(config: PoolConfig) -> int:
 
 def _bytes(size: str | int) -> int:
     return size if isinstance(size, int) else parse_size(size)
+
+
+# -- a vLLM model directory ------------------------------------------------------
+# vLLM's CPU backend: its default block size, and what "auto" makes of a
+# checkpoint's dtype (float32 checkpoints run in bfloat16).
+VLLM_CPU_BLOCK_SIZE = 128
+_AUTO_DTYPE = {"float32": "bfloat16", "float": "bfloat16", "bfloat16": "bfloat16",
+               "float16": "float16", "half": "float16"}
+VLLM_POOL_HASH = ("vllm-sha256", "0")   # vLLM's default algorithm; the seed engines get
+
+
+@dataclass(frozen=True)
+class ModelKV:
+    """The KV-cache shape of a decoder model, from its config.json."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_size: int
+    dtype: str
+    max_model_len: int
+    sliding_window: int | None = None
+
+
+def read_model(directory: str | Path) -> ModelKV:
+    """The KV-cache shape of the model in `directory` as vLLM would derive
+    it (layers, KV heads, head size, dtype "auto", context length).
+    Raises ConfigError for a missing or unreadable config, and for models
+    whose layers mix attention types (kvshm sizes one group here)."""
+    path = Path(directory) / "config.json"
+    try:
+        cfg = json.loads(path.read_text())
+    except OSError as e:
+        raise ConfigError("vllm_model", f"cannot read {path}: {e.strerror}") from None
+    except ValueError as e:
+        raise ConfigError("vllm_model", f"{path} is not JSON: {e}") from None
+    cfg = {**cfg.get("text_config", {}), **{k: v for k, v in cfg.items() if k != "text_config"}}
+
+    def need(key: str) -> int:
+        value = cfg.get(key)
+        if not isinstance(value, int) or value <= 0:
+            raise ConfigError("vllm_model", f"{path}: {key} must be a positive integer "
+                              f"(got {value!r})")
+        return value
+
+    layers = need("num_hidden_layers")
+    heads = need("num_attention_heads")
+    kv_heads = cfg.get("num_key_value_heads") or heads
+    head_size = cfg.get("head_dim") or need("hidden_size") // heads
+    raw = str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32").removeprefix("torch.")
+    if raw not in _AUTO_DTYPE:
+        raise ConfigError("vllm_model", f"{path}: unsupported torch_dtype {raw!r}")
+    window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
+    layer_types = set(cfg.get("layer_types") or ())
+    if len(layer_types) > 1 or cfg.get("sliding_window_pattern") or cfg.get(
+            "interleaved_sliding_window"):
+        raise ConfigError("vllm_model", f"{path}: its layers mix attention types "
+                          f"({sorted(layer_types) or 'interleaved sliding window'}); "
+                          "describe the pool with a config file instead")
+    return ModelKV(layers, int(kv_heads), int(head_size), _AUTO_DTYPE[raw],
+                   int(cfg.get("max_position_embeddings") or 2048),
+                   int(window) if window else None)
+
+
+def model_pool_config(directory: str | Path, *, kv_memory: int, block_size: int =
+                      VLLM_CPU_BLOCK_SIZE, dtype: str = "auto",
+                      max_model_len: int | None = None, max_num_seqs: int = 1024,
+                      hash_algorithm: str = VLLM_POOL_HASH[0],
+                      hash_seed: str = VLLM_POOL_HASH[1]) -> PoolConfig:
+    """The pool for vLLM engines serving the model in `directory`:
+    one KV-cache group of the model's attention type, `kv_memory` bytes of
+    K/V laid out as vLLM's CPU attention expects its per-layer tensors, and
+    vLLM's block hashes.  Raises ConfigError."""
+    m = read_model(directory)
+    dt = m.dtype if dtype == "auto" else dtype
+    if dt not in KV_DTYPES:
+        raise ConfigError("dtype", f"must be auto, {', '.join(KV_DTYPES)} (got {dtype!r})")
+    spec = (SlidingWindowSpec(block_size, m.sliding_window) if m.sliding_window
+            else FullSpec(block_size))
+    shape = PoolConfig(
+        num_blocks=2, hash_block_size=block_size,
+        max_model_len=max_model_len or m.max_model_len, groups=(spec,),
+        max_num_seqs=max_num_seqs, hash_algorithm=hash_algorithm, hash_seed=hash_seed,
+        kv=KVShape(num_layers=m.num_layers, num_kv_heads=m.num_kv_heads,
+                   head_size=m.head_size, dtype=dt, layout="layers"))
+    return shape.replace(num_blocks=blocks_for_memory(shape.kv_block_bytes, kv_memory))

@@ -222,7 +222,7 @@ async def test_coordinator_refuses_an_arena_dev_shm_cannot_hold(coordinator, mon
     import shutil
     from collections import namedtuple
     usage = namedtuple("usage", "total used free")
-    from kvshm.core.segment import Layout
+    from kvshm.core.layout import Layout
     cfg = kv_config(num_blocks=4096)
     free = Layout(cfg).size + 4096   # room for the pool segment alone, not the arena too
     monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(1 << 30, 0, free))

@@ -96,6 +96,18 @@ def test_demo_runs_a_workload_and_the_replay(capsys, tmp_path):
     assert out.splitlines()[-1] == "1 passed, 0 failed"
 
 
+def test_demo_refuses_traces_that_are_not_there(capsys, tmp_path):
+    assert main(["demo", "--requests", "5", "--num-blocks", "256",
+                 "--traces", str(tmp_path / "nowhere")]) == 2
+    assert _error_line(capsys) == f"kvshm demo: no such file or directory: {tmp_path}/nowhere\n"
+
+
+def test_demo_finds_the_source_checkout_s_traces_and_only_those():
+    from kvshm.cli import demo
+    here = Path(__file__).resolve().parent
+    assert demo.source_traces() == str(here / "data" / "conformance" / "traces")
+
+
 def test_bad_arguments_exit_2():
     with pytest.raises(SystemExit) as e:
         main(["replay"])

@@ -15,7 +15,8 @@ import textwrap
 from helpers import check_pool, make_config, tokens
 from kvshm import KVCacheManager, Request
 from kvshm.core.check import check_segment
-from kvshm.core.segment import FLAG_CACHED, FLAG_PENDING, PoolSegment
+from kvshm.core.segment import PoolSegment
+from kvshm.core.layout import FLAG_CACHED, FLAG_PENDING
 from kvshm.ops import protocol as p
 from kvshm.service.client import connect
 from kvshm.ops.executor import OpExecutor

@@ -7,7 +7,8 @@ calls (`run(seqs)`, `admitted(seq, num_hit)`).
 compared bit for bit with a recompute, decode attention over the paged
 blocks with attention over a contiguous recompute.  `TransformerCompute`
 (transformer.py) runs a real decoder stack, checked within a tolerance.
-`make_compute(name, ...)` picks one (EngineOptions.model).
+The engine picks one by name (`make_compute` in engine.py, from
+EngineOptions.model).
 """
 
 from __future__ import annotations
@@ -213,15 +214,3 @@ class LoadOnlyCompute(ComputeBase):
 
     def fingerprint(self) -> str:
         return "load-only"
-
-
-def make_compute(name: str, config: PoolConfig, arena, opts, stats, tag: int):
-    """The compute of model `name` (one of MODELS), or none (opts.load_only)."""
-    if opts.load_only:
-        return LoadOnlyCompute(config, arena, opts, stats, tag)
-    if name == "exact":
-        return ExactCompute(config, arena, opts, stats, tag)
-    if name == "transformer":
-        from kvshm.workers.transformer import TransformerCompute
-        return TransformerCompute(config, arena, opts, stats, tag)
-    raise ValueError(f"unknown model {name!r} (one of {', '.join(MODELS)})")

@@ -42,9 +42,10 @@ from collections import deque
 from kvshm.core.specs import FullSpec, MLASpec, PoolConfig, SlidingWindowSpec
 from kvshm.ops import protocol as p
 from kvshm.ops.errors import ReplyLost, ResumeFailed
-from kvshm.workers.compute import MODELS, make_compute
+from kvshm.workers.compute import MODELS, ExactCompute, LoadOnlyCompute
 from kvshm.workers.engine_types import EngineOptions, EngineStats
 from kvshm.workers.traffic import Item
+from kvshm.workers.transformer import TransformerCompute
 from kvshm.workers.turns import LocalTurns
 
 SUPPORTED_SPECS = (FullSpec, MLASpec, SlidingWindowSpec)
@@ -52,6 +53,17 @@ SUPPORTED_SPECS = (FullSpec, MLASpec, SlidingWindowSpec)
 
 class UnsupportedModel(ValueError):
     """The pool's groups include an attention type the CPU worker cannot model."""
+
+
+def make_compute(name: str, config: PoolConfig, arena, opts, stats, tag: int):
+    """The compute of model `name` (one of MODELS), or none (opts.load_only)."""
+    if opts.load_only:
+        return LoadOnlyCompute(config, arena, opts, stats, tag)
+    if name == "exact":
+        return ExactCompute(config, arena, opts, stats, tag)
+    if name == "transformer":
+        return TransformerCompute(config, arena, opts, stats, tag)
+    raise ValueError(f"unknown model {name!r} (one of {', '.join(MODELS)})")
 
 
 def check_supported(config: PoolConfig, model: str = "exact") -> None:

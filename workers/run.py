@@ -13,7 +13,13 @@ import json
 import sys
 from pathlib import Path
 
-from kvshm.config import DEFAULT_KV_MEMORY, PRESETS, PoolSource, pool_bytes, resolve_config
+from kvshm.config import (
+    PRESETS,
+    PoolSource,
+    add_pool_arguments,
+    pool_bytes,
+    resolve_config,
+)
 from kvshm.core.errors import KvshmError
 from kvshm.core.hashing import DEFAULT_HASH_ALGORITHM, DEFAULT_HASH_SEED
 from kvshm.workers.channel import WorkloadSpec
@@ -50,16 +56,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="seconds of workload (admissions stop then; default 30)")
     ap.add_argument("--grace", type=float, default=10.0,
                     help="seconds after --duration for running requests to finish (10)")
-    pool = ap.add_mutually_exclusive_group()
-    pool.add_argument("--preset", default=None,
-                      help=f"model-shaped pool preset (default {DEFAULT_PRESET}; see "
-                           "`kvshm serve --help`)")
-    pool.add_argument("--config", help="pool config file with a [kv] shape")
+    pool = add_pool_arguments(ap, vllm=False, hashing=False, default_preset=DEFAULT_PRESET)
     pool.add_argument("--connect", metavar="SOCKET",
                       help="join a running coordinator instead of starting one")
-    size = ap.add_mutually_exclusive_group()
-    size.add_argument("--kv-memory", help=f"KV arena size (default {DEFAULT_KV_MEMORY}, as kvshm serve)")
-    size.add_argument("--num-blocks", type=int, help="pool size in blocks")
     mode = ap.add_mutually_exclusive_group()
     mode.add_argument("--isolated", action="store_true",
                       help="each worker gets a private pool of total/N blocks")
@@ -159,6 +158,8 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
         if args.kv_memory or args.num_blocks:
             raise ValueError("--connect joins an existing pool: its size is the coordinator's")
     else:
+        # Not PoolSource.from_args: --hash-algorithm/--hash-seed here go with
+        # --connect only (a pool run starts hashes as its config says).
         config = resolve_config(
             PoolSource(preset=args.preset, config_file=args.config,
                        num_blocks=args.num_blocks, kv_memory=args.kv_memory),

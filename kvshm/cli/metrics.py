@@ -23,6 +23,8 @@ from kvshm.core.metrics import LATENCY_BOUNDS_NS, read_metrics
 from kvshm.core.segment import SHM_DIR, PoolSegment
 from kvshm.core.stats import read_stats
 
+HELP = "serve a pool's Prometheus metrics, read from its segment (no socket)"
+
 DEFAULT_PORT = 9108
 
 

@@ -21,9 +21,13 @@ import sys
 import time
 from dataclasses import dataclass
 
+from kvshm.cli.common import segment_name
 from kvshm.core import fmt
 from kvshm.core.metrics import quantile, read_metrics
+from kvshm.core.segment import PoolSegment
 from kvshm.core.stats import read_stats
+
+HELP = "a live view of a pool, read from its segment"
 
 
 @dataclass
@@ -114,13 +118,11 @@ def add_arguments(p) -> None:
 
 
 def main(args) -> int:
-    from kvshm.cli import attach_pool, segment_name
-
     if not args.interval > 0:
         print("kvshm top: --interval must be > 0", file=sys.stderr)
         return 2
     name = segment_name(args.name)
-    with attach_pool(name) as seg:
+    with PoolSegment.attach(name) as seg:
         prev = sample(seg)
         if args.once:
             time.sleep(args.interval)

@@ -30,7 +30,8 @@ from collections.abc import Iterable, Sequence
 from kvshm.core.errors import InvalidArgument, NoFreeBlocks
 from kvshm.core.events import EventLog
 from kvshm.core.hashing import HASH_SLOT_BYTES, digest_size
-from kvshm.core.segment import (
+from kvshm.core.segment import PoolSegment
+from kvshm.core.layout import (
     ALLOCATED_WORD,
     EVICTED_WORD,
     FLAG_CACHED,
@@ -40,7 +41,6 @@ from kvshm.core.segment import (
     FREE_WORD as _FREE,
     SEQ_WORD as _SEQ,
     STATS_WORD,
-    PoolSegment,
 )
 
 NULL_BLOCK = 0

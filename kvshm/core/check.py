@@ -13,14 +13,14 @@ from dataclasses import dataclass, field
 
 from kvshm.core import fmt
 from kvshm.core.hashing import HASH_SLOT_BYTES
-from kvshm.core.segment import (
+from kvshm.core.segment import PoolSegment
+from kvshm.core.layout import (
     FLAG_CACHED,
     FLAG_NULL,
     FLAG_PENDING,
     FLAG_SINK,
     RID_BYTES,
     SLOT_META_FIELDS,
-    PoolSegment,
 )
 from kvshm.core.table import NO_ENTRY
 

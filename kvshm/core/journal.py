@@ -13,7 +13,8 @@ during the frame is recognised by its cache stamp (>= `frame_cache_stamp`),
 so caching needs no entries either.
 
 Each entry is saved at most once per frame (the first touch of a row, slot,
-or counter), so one frame never needs more than `frame_bound()` words.
+or counter), so one frame never needs more than `frame_bound()` words (layout.py, which
+also holds the entry kinds and sizes below).
 
 Entries (int64 words):
 
@@ -30,27 +31,18 @@ from __future__ import annotations
 
 from array import array
 
-from kvshm.core.segment import (
+from kvshm.core.layout import (
+    FRAME,
     FRAME_CACHE_STAMP_WORD,
+    META,
+    PREFIX,
     RID_BYTES,
+    ROW,
+    SESSION,
     SLOT_META_FIELDS,
+    STATS,
     UNDO_LEN_WORD,
 )
-
-FRAME, ROW, PREFIX, META, STATS, SESSION = 0, 1, 2, 3, 4, 5
-ROW_WORDS = 5
-PREFIX_HEAD = 4
-STATS_WORDS = 5
-SESSION_ENTRY_WORDS = 3
-# kind, slot, the metadata fields, the request-id bytes as words
-META_WORDS = 2 + SLOT_META_FIELDS + RID_BYTES // 8
-
-
-def frame_bound(num_slots: int, widths: list[int]) -> int:
-    """Words one frame can journal at most, for a table of `num_slots` rows
-    per group of the given widths."""
-    rows = num_slots * sum(ROW_WORDS + PREFIX_HEAD + w for w in widths)
-    return rows + num_slots * META_WORDS + STATS_WORDS + SESSION_ENTRY_WORDS + 1
 
 
 class Journal:

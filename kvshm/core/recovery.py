@@ -18,36 +18,34 @@ from array import array
 from dataclasses import dataclass, field
 
 from kvshm.core.errors import SegmentError
-from kvshm.core.journal import (
-    FRAME,
-    META,
-    META_WORDS,
-    PREFIX,
-    PREFIX_HEAD,
-    ROW,
-    ROW_WORDS,
-    SESSION,
-    SESSION_ENTRY_WORDS,
-    STATS,
-    STATS_WORDS,
-)
-from kvshm.core.segment import (
+from kvshm.core.layout import (
     FLAG_CACHED,
     FLAG_NULL,
     FLAG_SINK,
+    FRAME,
     FRAME_CACHE_STAMP_WORD,
     FREE_WORD,
+    META,
+    META_WORDS,
     NUM_REQUESTS_WORD,
+    PREFIX,
+    PREFIX_HEAD,
     RID_BYTES,
+    ROW,
+    ROW_WORDS,
     SEQ_WORD,
+    SESSION,
+    SESSION_ENTRY_WORDS,
     SESSION_LAST_SEQ,
     SESSION_SLOTS,
     SESSION_WORDS,
     SLOT_META_FIELDS,
+    STATS,
     STATS_WORD,
+    STATS_WORDS,
     UNDO_LEN_WORD,
-    PoolSegment,
 )
+from kvshm.core.segment import PoolSegment
 from kvshm.core.table import NO_ENTRY
 
 

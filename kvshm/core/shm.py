@@ -136,12 +136,23 @@ def create_shm(name: str | None, size: int, *, what: str = "segment",
             f"may own it, or remove a stale one with `kvshm rm {name}`") from None
 
 
-def open_shm(name: str, what: str = "shared-memory segment") -> Shm:
-    """An existing segment; SegmentError if there is none called `name`."""
+def open_shm(name: str, what: str = "shared-memory segment",
+             expected: str | None = None) -> Shm:
+    """An existing segment.  Every refusal of the OS is a SegmentError, here
+    and nowhere else: there is none called `name` ("no {what} named ..."),
+    or the entry cannot be opened (a directory, no permission) or is empty
+    (nothing to map), said as not being the `expected` thing (default
+    `what`)."""
+    path = f"{SHM_DIR}/{name}"
     try:
         return Shm.open(name)
     except FileNotFoundError:
         raise SegmentError(f"no {what} named {name!r}") from None
+    except OSError as e:
+        raise SegmentError(f"cannot open {path} as a {expected or what}: {e.strerror}") \
+            from None
+    except ValueError:   # mmap of an empty file
+        raise SegmentError(f"{path} is empty: not a {expected or what}") from None
 
 
 def check_shm_space(needed: int, path: str = SHM_DIR) -> None:

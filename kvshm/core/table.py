@@ -12,7 +12,8 @@ from __future__ import annotations
 from array import array
 
 from kvshm.core.errors import InvalidArgument, RequestTableFull
-from kvshm.core.segment import NUM_REQUESTS_WORD, RID_BYTES, SLOT_META_FIELDS, PoolSegment
+from kvshm.core.segment import PoolSegment
+from kvshm.core.layout import NUM_REQUESTS_WORD, RID_BYTES, SLOT_META_FIELDS
 
 NO_ENTRY = -1
 
