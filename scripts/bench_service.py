@@ -67,6 +67,7 @@ sys.path.insert(0, str(REPO))
 import psutil  # noqa: E402
 
 from kvshm.core.specs import FullSpec, PoolConfig  # noqa: E402
+from kvshm.core.metrics import percentile  # noqa: E402
 from kvshm.ops import protocol as p  # noqa: E402
 from kvshm.ops.protocol import encode_frame  # noqa: E402
 from kvshm.service.handshake import make_hello  # noqa: E402
@@ -98,10 +99,9 @@ PRESETS_OK = ("llama-8b", "gemma-hybrid", "jamba-hybrid")
 # 1. single-op latency
 # =============================================================================
 def _summ(ns: array) -> dict:
-    v = sorted(ns)
-    n = len(v)
-    return {"calls": n, "p50_us": v[n // 2] / 1e3, "p99_us": v[min(n - 1, int(n * 0.99))] / 1e3,
-            "mean_us": sum(v) / n / 1e3}
+    n = len(ns)
+    return {"calls": n, "p50_us": percentile(ns, 50) / 1e3, "p99_us": percentile(ns, 99) / 1e3,
+            "mean_us": sum(ns) / n / 1e3}
 
 
 def bench_latency(path, config: PoolConfig, calls: int, warmup: int) -> dict:

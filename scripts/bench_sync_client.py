@@ -34,6 +34,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kvshm.core.specs import FullSpec, PoolConfig  # noqa: E402
+from kvshm.core.metrics import percentile  # noqa: E402
 from kvshm.ops import protocol as p  # noqa: E402
 from kvshm.ops.protocol import encode_frame  # noqa: E402
 from kvshm.service.process import CoordinatorProcess  # noqa: E402
@@ -94,9 +95,7 @@ def _time(fn, rounds: int) -> dict:
         t = clock()
         fn()
         samples.append(clock() - t)
-    samples.sort()
-    return {"p50_us": statistics.median(samples) / 1e3,
-            "p99_us": samples[int(0.99 * (len(samples) - 1))] / 1e3}
+    return {"p50_us": percentile(samples, 50) / 1e3, "p99_us": percentile(samples, 99) / 1e3}
 
 
 class RawSession:

@@ -48,7 +48,6 @@ import argparse
 import json
 import os
 import random
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -58,7 +57,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from kvshm.core.metrics import read_metrics  # noqa: E402
+from kvshm.core.metrics import percentile, read_metrics  # noqa: E402
 from kvshm.core.segment import PoolSegment  # noqa: E402
 from kvshm.service.process import CoordinatorProcess  # noqa: E402
 from kvshm.config import model_pool_config  # noqa: E402
@@ -174,8 +173,8 @@ def run_mode(mode: str, args, model: Path, work: list[dict], tmp: Path, cpu_plan
     result = {
         "mode": mode, "wall_s": wall, "requests": len(reqs),
         "generated_tokens": gen, "tokens_per_s": gen / wall,
-        "ttft_p50_ms": 1e3 * statistics.median(ttft),
-        "ttft_p99_ms": 1e3 * ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))],
+        "ttft_p50_ms": 1e3 * percentile(ttft, 50),
+        "ttft_p99_ms": 1e3 * percentile(ttft, 99),
         "generate_s": max(rep["elapsed_s"] for rep in reports),
         "engine_cpu_s": sum(rep["cpu_s"] for rep in reports), "steps": steps,
         "hit_tokens": hits, "prompt_tokens": prompt_tokens, "hit_rate": hits / prompt_tokens,

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from kvshm.core.manager import KVCacheManager
+from kvshm.core.metrics import percentile
 from kvshm.core.specs import PoolConfig
 from kvshm.ops import protocol as p
 from kvshm.ops.protocol import encode_frame
@@ -388,8 +389,8 @@ def summarize_run(n: int, batch: int, results: list[dict], cpu_s: float) -> dict
                                  for r in results],
         "op_p50_us": weighted_pct(list(per_op), 0.50) / 1e3,
         "op_p99_us": weighted_pct(per_op, 0.99) / 1e3,
-        "frame_p50_us": per_frame[len(per_frame) // 2] / 1e3,
-        "frame_p99_us": per_frame[min(len(per_frame) - 1, int(len(per_frame) * 0.99))] / 1e3,
+        "frame_p50_us": percentile(per_frame, 50) / 1e3,
+        "frame_p99_us": percentile(per_frame, 99) / 1e3,
         "coordinator_cpu_us_per_op": cpu_s / ops * 1e6,
         "coordinator_cpu_util": cpu_s / wall,
         "failed_allocs": sum(r["failed_allocs"] for r in results),

@@ -21,10 +21,10 @@ from pathlib import Path
 
 import psutil
 
+from kvshm.core.metrics import percentile
 from kvshm.core.segment import PoolSegment
 from kvshm.numa import mapped_pages
 from kvshm.service.process import die_with_parent
-from kvshm.workers.launcher import percentile
 from kvshm.workers.topology import Node, format_cpulist
 
 PROBE = Path(__file__).resolve().parent / "stress_probe.py"

@@ -229,3 +229,13 @@ def test_logs_say_who_connected_resumed_and_ended(pool_name, tmp_path):
     assert any("refused a session" in s and "at most 64 bytes" in s for s in messages)
     assert {ln["level"] for ln in lines} <= {"info", "warning"}
     assert not any("alloc" in s for s in messages)   # nothing per op
+
+
+def test_percentiles_follow_one_rule_a_sample_at_the_rounded_rank():
+    from kvshm.core.metrics import percentile
+    assert percentile([], 50) is None
+    assert percentile([7], 99) == 7
+    assert percentile([4, 1, 3, 2], 50) == 3          # rank round(1.5) = 2, of the sorted
+    assert percentile(range(1, 101), 99) == 99        # rank round(98.01) = 98
+    assert percentile(range(1, 101), 100) == 100 and percentile(range(1, 101), 0) == 1
+    assert percentile((x / 10 for x in range(11)), 50) == 0.5   # any iterable

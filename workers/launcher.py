@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import msgspec
 
 from kvshm.core.hashing import DEFAULT_HASH_ALGORITHM, DEFAULT_HASH_SEED
+from kvshm.core.metrics import percentile
 from kvshm.core.specs import PoolConfig
 from kvshm.service.process import die_with_parent
 from kvshm.workers.channel import (
@@ -141,13 +142,6 @@ class RunResult(msgspec.Struct, kw_only=True):
             "timeline": [list(sample) for sample in self.timeline],
             "workers": [w.to_dict() for w in self.workers],
         }
-
-
-def percentile(sorted_values: list, q: float):
-    if not sorted_values:
-        return None
-    i = min(len(sorted_values) - 1, int(round(q / 100 * (len(sorted_values) - 1))))
-    return sorted_values[i]
 
 
 @dataclass

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from kvshm.core.metrics import percentile
+
 COLOURS = {"shared": "tab:blue", "isolated": "tab:orange"}
 
 
@@ -38,7 +40,7 @@ def plot_runs(results, path: str | Path) -> None:
         ttft = sorted(res.totals.ttft_ms)
         if ttft:
             ttft_ax.plot(ttft, [(i + 1) / len(ttft) for i in range(len(ttft))],
-                         label=f"{res.mode} (p50 {ttft[len(ttft) // 2]:,} ms)", color=colour)
+                         label=f"{res.mode} (p50 {percentile(ttft, 50):,} ms)", color=colour)
     hit_ax.set(title="prefix hit rate (cumulative)", xlabel="s", ylabel="% of prompt tokens")
     rate_ax.set(title="tokens served per second", xlabel="s", ylabel="tokens/s")
     ttft_ax.set(title="time to first token (CDF)", xlabel="ms", ylabel="fraction of requests")

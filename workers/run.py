@@ -22,6 +22,7 @@ from kvshm.config import (
 )
 from kvshm.core.errors import KvshmError
 from kvshm.core.hashing import DEFAULT_HASH_ALGORITHM, DEFAULT_HASH_SEED
+from kvshm.core.metrics import percentile
 from kvshm.workers.channel import WorkloadSpec
 from kvshm.workers.compute import MODELS
 from kvshm.workers.engine_types import EngineOptions
@@ -31,7 +32,6 @@ from kvshm.workers.launcher import (
     isolated_config,
     launch,
     make_plan,
-    percentile,
 )
 from kvshm.workers.topology import describe, format_cpulist
 from kvshm.workers.traffic import distinct_tokens

@@ -16,12 +16,18 @@ rest.  docs/operations.md lists them all.
 from __future__ import annotations
 
 import os
+import signal
+import socket
+import subprocess
+import sys
 import threading
+import time
 
 from kvshm.core.errors import ConfigError, SegmentError
 from kvshm.core.metrics import LATENCY_BOUNDS_NS, read_metrics
 from kvshm.core.segment import SHM_DIR, PoolSegment
 from kvshm.core.stats import read_stats
+from kvshm.service.process import die_with_parent
 
 HELP = "serve a pool's Prometheus metrics, read from its segment (no socket)"
 
@@ -220,8 +226,6 @@ def serve_metrics(name: str, port: int, addr: str = ""):
 def check_port_free(port: int, addr: str = "", wait: float = 3.0) -> None:
     """Raise ConfigError unless `addr:port` can be listened on within `wait`
     seconds (the exporter of a killed coordinator takes a moment to go)."""
-    import socket
-    import time
     deadline = time.monotonic() + wait
     while True:
         probe = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -241,15 +245,6 @@ def check_port_free(port: int, addr: str = "", wait: float = 3.0) -> None:
 def start_exporter_process(name: str, port: int, addr: str = ""):
     """`kvshm metrics NAME --port PORT` as a child process that dies with
     this one (Linux's parent-death signal), for `kvshm serve --metrics-port`."""
-    import ctypes
-    import signal
-    import subprocess
-    import sys
-
-    def die_with_parent() -> None:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG
-
     return subprocess.Popen([sys.executable, "-m", "kvshm", "metrics", name, "--port",
                              str(port), "--addr", addr], preexec_fn=die_with_parent,
                             stdout=subprocess.DEVNULL)
@@ -266,9 +261,6 @@ def add_arguments(p) -> None:
 
 def main(args) -> int:
     """`kvshm metrics`: serve until SIGINT/SIGTERM (or print one scrape)."""
-    import signal
-    import sys
-
     prom = import_prometheus()
     if args.once:
         registry = prom.CollectorRegistry(auto_describe=False)

@@ -180,6 +180,16 @@ def read_metrics(words) -> dict:
     return out
 
 
+def percentile(values, q: float):
+    """The q-th percentile (0..100) of `values`, by the one rule every
+    figure of kvshm uses: the sample at rank round(q/100 * (n - 1)) of the
+    sorted values (a sample, never an interpolation; None for no values)."""
+    s = sorted(values)
+    if not s:
+        return None
+    return s[min(len(s) - 1, int(round(q / 100 * (len(s) - 1))))]
+
+
 def quantile(buckets: list[int], q: float) -> float | None:
     """The q-quantile (0..1) of a latency histogram, in seconds: the upper
     bound of the bucket it falls in (None: no samples; the last bucket
