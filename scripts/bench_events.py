@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Coordinator ops/s with KV events published vs not (issue 12's 0.9x target).
+"""Coordinator ops/s with KV events published vs not (the target: at least 0.9x).
 
 Two `kvshm serve` children on the same pool config, one with
 `--kv-events-config` (publishing to an ipc endpoint that a subscriber in

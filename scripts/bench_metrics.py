@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Coordinator ops/s with a Prometheus exporter scraping every second vs
-without (issue 13: within noise).
+without (the target: within noise).
 
 One `kvshm serve` child and one `kvshm metrics` process on its pool; the
 service benchmark's recorded scheduler workload (scripts/service_load.py)

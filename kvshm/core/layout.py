@@ -87,7 +87,7 @@ HEADER_FIELDS = {
     "num_requests": (144, "Q"),
     "created_ns": (152, "Q"),
     "config_len": (160, "I"),
-    # Recovery (layout 2): words of the open frame's undo log (0: none), the
+    # Recovery: words of the open frame's undo log (0: none), the
     # cache stamp at its start, and when the current coordinator took the
     # pool over (its uptime).
     "undo_len": (168, "Q"),
