@@ -44,16 +44,11 @@ from kvshm.core.metrics import (
 )
 from kvshm.core.request import Request
 from kvshm.ops import protocol as p
-from kvshm.ops.protocol import encode_frame
-from kvshm.ops.errors import (
-    BatchTooLarge,
-    Forbidden,
-    InternalError,
-    NotOwner,
-)
+from kvshm.ops.errors import BatchTooLarge, Forbidden, InternalError, NotOwner
 from kvshm.ops.lifecycle import SessionLifecycle
-from kvshm.ops.sessions import SessionTable
 from kvshm.ops.owner import Owner, ReqState
+from kvshm.ops.protocol import encode_frame
+from kvshm.ops.sessions import SessionTable
 from kvshm.ops.tenants import TenantBook, check_request_id, unscoped
 
 log = logging.getLogger("kvshm.coordinator")

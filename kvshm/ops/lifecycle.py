@@ -32,14 +32,14 @@ class SessionLifecycle:
 
     # -- sessions --------------------------------------------------------------------------
     def open(self, id: int, tenant: str = "", *, admin: bool = False, pid: int = 0,
-                   node: int = -1) -> Owner:
+             node: int = -1) -> Owner:
         """Register owner `id` (a session) of `tenant`'s namespace; with
         resumable sessions it gets a record and a secret `resume_token`."""
         owner = Owner(id, tenant, self.ex.hasher_for(tenant), admin, self.ex.tenants.slot(tenant))
         if self.ex.sessions is not None:
             token = secrets.token_urlsafe(24)
             owner.record = self.ex.sessions.allocate(id, token, tenant, admin=admin, pid=pid,
-                                                  node=node)
+                                                     node=node)
             if owner.record is not None:
                 owner.resume_token = token
         self.ex.owners[id] = owner
