@@ -12,6 +12,7 @@ from kvshm.config import PoolSource, add_pool_arguments, resolve_config
 from kvshm.core import fmt
 from kvshm.ops.sessions import DEFAULT_RESUME_GRACE
 from kvshm.ops.tenants import parse_quota
+from kvshm.service.events import KVEventsConfig, import_zmq
 from kvshm.service.handshake import default_socket_path
 from kvshm.service.loop import run_async
 from kvshm.service.server import serve
@@ -71,7 +72,6 @@ def main(args: argparse.Namespace) -> int:
         return 2
     kv_events = None
     if args.kv_events_config:
-        from kvshm.service.events import KVEventsConfig, import_zmq
         kv_events = KVEventsConfig.from_json(args.kv_events_config)
         if kv_events.publishes:
             import_zmq()

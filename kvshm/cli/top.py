@@ -26,6 +26,7 @@ from kvshm.core import fmt
 from kvshm.core.metrics import quantile, read_metrics
 from kvshm.core.segment import PoolSegment
 from kvshm.core.stats import read_stats
+from kvshm.ops.sessions import SessionTable, tenant_digest
 
 HELP = "a live view of a pool, read from its segment"
 
@@ -39,7 +40,6 @@ class Sample:
 
 
 def sample(seg) -> Sample:
-    from kvshm.ops.sessions import SessionTable
     records = {r.session_id: (r.pid, r.node, r.tenant) for r in SessionTable(seg).records()}
     return Sample(time.monotonic(), read_stats(seg), read_metrics(seg.metrics), records)
 
@@ -50,7 +50,6 @@ def _rate(new: float, old: float, dt: float) -> float:
 
 def render(prev: Sample, cur: Sample, name: str, width: int = 100) -> list[str]:
     """The lines of one frame: `cur`, with rates since `prev`."""
-    from kvshm.ops.sessions import tenant_digest
     st, m = cur.stats, cur.metrics
     ps, pm = prev.stats, prev.metrics
     dt = cur.t - prev.t

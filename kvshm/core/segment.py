@@ -26,6 +26,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from kvshm.core.errors import SegmentError
+from kvshm.core.hashing import hash_fingerprint
 from kvshm.core.journal import Journal
 from kvshm.core.layout import (
     ARENA_MAGIC,
@@ -170,7 +171,6 @@ class PoolSegment(OwnedMapping):
             ("coordinator_pid", os.getpid()),
         ):
             self.set(field, value)
-        from kvshm.core.hashing import hash_fingerprint
         self.set("hash_fingerprint", hash_fingerprint(cfg.hash_algorithm, cfg.hash_seed).encode())
         self.set("magic", MAGIC)  # last: a reader never sees a half-made header
 
@@ -286,7 +286,7 @@ def segment_info(name: str) -> dict | None:
 
 
 def _pid_alive(pid: int) -> bool:
-    import psutil
+    import psutil   # loaded on use: `import kvshm` stays quick without it
     return pid > 0 and psutil.pid_exists(pid)
 
 

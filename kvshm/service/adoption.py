@@ -77,6 +77,7 @@ def fresh_hint(name: str) -> str:
 def create_pool(config: PoolConfig, name: str) -> OpenPool:
     """A new pool named `name` (and its arena when the config has a KV
     shape); both must fit in /dev/shm.  Raises ShmSpaceError, SegmentError."""
+    # Loaded on use (numpy): `kvshm rm` and `kvshm ls` need no arena mapped.
     from kvshm.arena import KVArena, arena_name
     from kvshm.config import pool_bytes
     check_shm_space(pool_bytes(config))
@@ -100,7 +101,7 @@ def adopt_pool(config: PoolConfig, name: str) -> OpenPool:
     """Take over pool `name` left by a dead coordinator.  Raises
     SegmentError (locked by a live coordinator, another config, the arena
     missing, a state repair cannot make consistent), leaving it untouched."""
-    from kvshm.arena import KVArena, arena_name
+    from kvshm.arena import KVArena, arena_name   # loaded on use (numpy), as above
     lock = lock_segment(name)
     seg = arena = None
     try:
@@ -150,7 +151,7 @@ def remove_pool(name: str, *, force: bool = False) -> list[str]:
     """Remove pool `name` and its KV arena as one unit (refused while their
     owner lives unless `force`); returns the names removed.  Raises
     SegmentError when neither exists."""
-    from kvshm.arena import arena_name
+    from kvshm.arena import arena_name   # loaded on use (numpy): `kvshm rm` maps no arena
     names = [n for n in (name, arena_name(name)) if segment_info(n) is not None]
     if not names:
         raise SegmentError(f"no kvshm pool or arena named {name!r}")

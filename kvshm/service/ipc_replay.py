@@ -21,6 +21,7 @@ from typing import Any
 from kvshm.core.check import CheckReport, check_segment
 from kvshm.core.segment import PoolSegment
 from kvshm.core.specs import PoolConfig
+from kvshm.core.stats import read_stats
 from kvshm.replay import Mismatch, TraceTranslator, check_reply, trace_pool_config
 from kvshm.ops import protocol as p
 from kvshm.service.client import Client, connect
@@ -104,7 +105,6 @@ def replay_trace_connected(socket: str, cfg: dict, ops: list[dict], batch: int =
     admin session with the pool's hashing: (the first mismatch, or a
     refusal as a string, or None; the seconds the ops took; a check of the
     pool segment after the replay, None when refused)."""
-    from kvshm.core.stats import read_stats
     want = trace_pool_config(cfg, ops)
 
     async def run():
