@@ -26,8 +26,8 @@ import msgspec
 
 from kvshm.arena import arena_bytes
 from kvshm.core.errors import ConfigError
-from kvshm.core.layout import Layout
 from kvshm.core.hashing import DEFAULT_HASH_SEED, HASH_ALGORITHMS
+from kvshm.core.layout import Layout
 from kvshm.core.specs import (
     CrossAttentionSpec,
     FullSpec,

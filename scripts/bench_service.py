@@ -66,8 +66,8 @@ sys.path.insert(0, str(REPO))
 
 import psutil  # noqa: E402
 
-from kvshm.core.specs import FullSpec, PoolConfig  # noqa: E402
 from kvshm.core.metrics import percentile  # noqa: E402
+from kvshm.core.specs import FullSpec, PoolConfig  # noqa: E402
 from kvshm.ops import protocol as p  # noqa: E402
 from kvshm.ops.protocol import encode_frame  # noqa: E402
 from kvshm.service.handshake import make_hello  # noqa: E402

@@ -33,12 +33,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kvshm.core.specs import FullSpec, PoolConfig  # noqa: E402
 from kvshm.core.metrics import percentile  # noqa: E402
+from kvshm.core.specs import FullSpec, PoolConfig  # noqa: E402
 from kvshm.ops import protocol as p  # noqa: E402
 from kvshm.ops.protocol import encode_frame  # noqa: E402
-from kvshm.service.process import CoordinatorProcess  # noqa: E402
 from kvshm.service.handshake import make_hello  # noqa: E402
+from kvshm.service.process import CoordinatorProcess  # noqa: E402
 from kvshm.service.sync_client import connect_sync, open_wire_sync  # noqa: E402
 
 CONFIG = PoolConfig(num_blocks=4096, hash_block_size=16, max_model_len=4096,

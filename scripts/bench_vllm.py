@@ -57,10 +57,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from kvshm.config import model_pool_config  # noqa: E402
 from kvshm.core.metrics import percentile, read_metrics  # noqa: E402
 from kvshm.core.segment import PoolSegment  # noqa: E402
 from kvshm.service.process import CoordinatorProcess  # noqa: E402
-from kvshm.config import model_pool_config  # noqa: E402
 from kvshm.vllm.model import write_tiny_model  # noqa: E402
 from kvshm.workers.topology import format_cpulist, plan  # noqa: E402
 from kvshm.workers.traffic import RagSpec, rag  # noqa: E402

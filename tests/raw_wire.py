@@ -19,8 +19,8 @@ from kvshm import FullSpec, SlidingWindowSpec
 from kvshm.core.check import check_segment
 from kvshm.core.hashing import hash_fingerprint
 from kvshm.ops import protocol as p
-from kvshm.service.framing import FrameReader
 from kvshm.ops.protocol import encode_frame
+from kvshm.service.framing import FrameReader
 from kvshm.service.server import Coordinator
 
 CONFIG = make_config(groups=(FullSpec(4), SlidingWindowSpec(4, 8)), num_blocks=64,

@@ -15,8 +15,8 @@ from kvshm.arena import ArenaLayout, KVArena, arena_bytes, arena_name, resolve_d
 from kvshm.core.errors import ConfigError, SegmentError, ShmSpaceError
 from kvshm.core.segment import SHM_DIR, list_segments, remove_segment
 from kvshm.core.specs import FullSpec, KVShape, PoolConfig, SlidingWindowSpec
-from kvshm.service.client import connect
 from kvshm.ops.errors import InvalidArgument, UnknownRequest
+from kvshm.service.client import connect
 
 SHAPE = KVShape(num_layers=2, num_kv_heads=2, head_size=8, dtype="float32")
 

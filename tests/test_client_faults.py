@@ -14,9 +14,9 @@ import pytest
 from helpers import make_config, tokens, until
 from kvshm.core.check import check_segment
 from kvshm.ops import protocol as p
+from kvshm.ops.errors import RequestTimeout
 from kvshm.ops.protocol import encode_frame
 from kvshm.service.client import connect
-from kvshm.ops.errors import RequestTimeout
 from kvshm.service.server import Coordinator
 from raw_wire import CONFIG, Raw, snapshot
 

@@ -19,9 +19,9 @@ from helpers import make_config, tokens
 from kvshm.core.errors import KvshmError
 from kvshm.core.segment import SHM_DIR, remove_segment, segment_info
 from kvshm.ops import protocol as p
+from kvshm.ops.errors import ConnectionLost
 from kvshm.ops.protocol import encode_frame
 from kvshm.service.client import connect
-from kvshm.ops.errors import ConnectionLost
 from kvshm.service.process import CoordinatorProcess
 from raw_wire import CONFIG, Raw
 

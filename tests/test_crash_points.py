@@ -25,16 +25,13 @@ import pytest
 from helpers import make_config, tokens
 from kvshm import FullSpec, SlidingWindowSpec
 from kvshm.core.check import check_segment
-from kvshm.core.faults import CRASH_EXIT_CODE, ENV, CrashSpec, core_classes
+from kvshm.core.faults import CRASH_EXIT_CODE, ENV, CrashSpec
 from kvshm.core.segment import PoolSegment, remove_segment, segment_info
 from kvshm.ops import protocol as p
 from kvshm.service.client import connect
-from kvshm.ops.executor import OpExecutor
-from kvshm.ops.lifecycle import SessionLifecycle
 from kvshm.service.process import CoordinatorProcess
 from kvshm.service.resume import Reconnect
-from kvshm.service.server import Coordinator, Session
-from kvshm.ops.sessions import SessionTable
+from kvshm.service.server import Coordinator, crash_classes
 
 CFG = make_config(groups=(FullSpec(4), SlidingWindowSpec(4, 8)), num_blocks=96,
                   max_num_seqs=16)
@@ -46,10 +43,9 @@ FAST = Reconnect(initial_delay=0.01, max_delay=0.05, timeout=30)
 ARMS = tuple(f"OpExecutor.{m}" for m in ("_hits", "_alloc", "_admit", "_cache", "_free",
                                          "_skip", "_common", "_evict", "_reset",
                                          "execute_frame")) + ("SessionLifecycle.close",)
-CLASSES = {**core_classes(), "OpExecutor": OpExecutor, "SessionLifecycle": SessionLifecycle,
-           "SessionTable": SessionTable, "Session": Session}
-# NOTE: the coordinator process resolves crash specs with the same classes
-# (serve() in kvshm/service/server.py).
+# The classes a crash spec may name: the coordinator process resolves
+# them from the same table.
+CLASSES = crash_classes()
 # Methods a crash may cut: every writer of pool state, the journal, the
 # frame record and the reply.
 TARGETS = {

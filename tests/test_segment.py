@@ -13,8 +13,8 @@ import pytest
 from kvshm import FullSpec, KVCacheManager, PoolConfig, PoolSegment, Request
 from kvshm.core import segment as segmod
 from kvshm.core.errors import SegmentError, ShmSpaceError
-from kvshm.core.segment import list_segments, remove_segment
 from kvshm.core.layout import FLAG_NULL, Layout
+from kvshm.core.segment import list_segments, remove_segment
 from kvshm.core.stats import read_stats
 
 CFG = PoolConfig(num_blocks=16, hash_block_size=4, max_model_len=32,

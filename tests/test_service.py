@@ -26,14 +26,14 @@ from kvshm.core.check import check_segment
 from kvshm.core.errors import DuplicateRequest, InvalidArgument, UnknownRequest
 from kvshm.core.segment import SHM_DIR
 from kvshm.core.stats import read_stats
-from kvshm.replay import expand_paths, load_trace
 from kvshm.ops import protocol as p
-from kvshm.service.client import connect
 from kvshm.ops.errors import ConnectionLost, Forbidden, HashMismatch, NotOwner
-from kvshm.service.ipc_replay import replay_trace_ipc
 from kvshm.ops.executor import OpExecutor
-from kvshm.service.process import CoordinatorProcess
+from kvshm.replay import expand_paths, load_trace
+from kvshm.service.client import connect
 from kvshm.service.handshake import default_socket_path
+from kvshm.service.ipc_replay import replay_trace_ipc
+from kvshm.service.process import CoordinatorProcess
 from kvshm.service.server import Coordinator
 
 TRACES = Path(__file__).parent / "data" / "conformance" / "traces"

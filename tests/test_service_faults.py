@@ -19,9 +19,9 @@ from helpers import make_config, tokens, until
 from kvshm.core.errors import KvshmError
 from kvshm.core.hashing import hash_fingerprint
 from kvshm.ops import protocol as p
-from kvshm.service.framing import MAX_FRAME_BYTES
 from kvshm.ops.protocol import encode_frame
 from kvshm.service.client import connect
+from kvshm.service.framing import MAX_FRAME_BYTES
 from raw_wire import CONFIG, FP, HELLO, Raw, frame, snapshot
 
 _pack = msgspec.msgpack.encode

@@ -13,10 +13,10 @@ from helpers import make_config, tokens
 from kvshm import DuplicateRequest, InvalidArgument, UnknownRequest
 from kvshm.core.errors import ConfigError
 from kvshm.ops.errors import HandshakeError, NotOwner
+from kvshm.ops.tenants import parse_quota
 from kvshm.service.process import CoordinatorProcess
 from kvshm.service.resume import Reconnect
 from kvshm.service.sync_client import connect_sync
-from kvshm.ops.tenants import parse_quota
 
 CFG = make_config(num_blocks=41, max_num_seqs=16)     # 40 usable blocks of 4 tokens
 QUOTAS = ("--tenant-quota", "a=25%", "--tenant-quota", "=5")

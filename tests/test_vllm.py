@@ -131,8 +131,8 @@ def prefix_workloads(seed: int = 5, n_b: int = 3):
 @pytest.fixture
 def pool(model_dir, tmp_path):
     """A coordinator serving a pool for the tiny model (2048 blocks of 32)."""
-    from kvshm.service.process import CoordinatorProcess
     from kvshm.config import model_pool_config
+    from kvshm.service.process import CoordinatorProcess
     config = model_pool_config(model_dir, kv_memory=64 << 20, block_size=BLOCK,
                                max_model_len=2048)
     with CoordinatorProcess(config) as proc:
@@ -151,8 +151,8 @@ def pool_stats(proc) -> dict:
 
 def test_engines_share_the_pool_the_prefix_cache_and_the_kv_bytes(model_dir, tmp_path, pool):
     from kvshm.arena import KVArena, arena_name
-    from kvshm.core.segment import PoolSegment
     from kvshm.core.layout import FLAG_CACHED
+    from kvshm.core.segment import PoolSegment
     a_wl, b_wl = prefix_workloads(n_b=10)
     alone = start_engine(model_dir, b_wl, tmp_path, "alone", pool=None)
     a = run_engine(model_dir, a_wl, tmp_path, "a", pool=str(pool.socket),

@@ -274,9 +274,9 @@ class Launch:
         """Every pool's state after the run, from the coordinator and a check
         of its segment."""
         from kvshm.core.check import check_segment
+        from kvshm.core.errors import KvshmError
         from kvshm.core.segment import PoolSegment
         from kvshm.service.client import connect
-        from kvshm.core.errors import KvshmError
         reports = []
         for sock in dict.fromkeys(self.sockets):
             try:

@@ -17,10 +17,10 @@ from kvshm.core.errors import InvalidArgument, RequestTooLong, StaleHits
 from kvshm.core.events import Event, EventLog
 from kvshm.core.groups import BlockIds, any_blocks, make_group_logic
 from kvshm.core.hashing import BlockHasher
+from kvshm.core.layout import FLAG_PENDING, SEQ_WORD
 from kvshm.core.recovery import RepairReport, repair
 from kvshm.core.request import Request
 from kvshm.core.segment import PoolSegment
-from kvshm.core.layout import FLAG_PENDING, SEQ_WORD
 from kvshm.core.specs import PoolConfig
 from kvshm.core.table import RequestTable
 

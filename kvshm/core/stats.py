@@ -5,9 +5,9 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 
+from kvshm.core.layout import COUNTER_FIELDS, FLAG_CACHED, FLAG_PENDING, SLOT_META_FIELDS
 from kvshm.core.metrics import read_metrics
 from kvshm.core.segment import PoolSegment, segment_info
-from kvshm.core.layout import COUNTER_FIELDS, FLAG_CACHED, FLAG_PENDING, SLOT_META_FIELDS
 from kvshm.core.table import NO_ENTRY
 
 _CHURN_FIELDS = ("blocks_allocated", "blocks_evicted")

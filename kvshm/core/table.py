@@ -12,8 +12,8 @@ from __future__ import annotations
 from array import array
 
 from kvshm.core.errors import InvalidArgument, RequestTableFull
-from kvshm.core.segment import PoolSegment
 from kvshm.core.layout import NUM_REQUESTS_WORD, RID_BYTES, SLOT_META_FIELDS
+from kvshm.core.segment import PoolSegment
 
 NO_ENTRY = -1
 

@@ -44,8 +44,8 @@ from kvshm.ops.errors import (
     error_from_wire,
     raise_reply,
 )
-from kvshm.service.framing import REPLY_LIMIT_BYTES, FrameReader
 from kvshm.ops.protocol import encode_frame
+from kvshm.service.framing import REPLY_LIMIT_BYTES, FrameReader
 from kvshm.service.handshake import SessionInfo, check_welcome, make_hello, socket_path
 from kvshm.service.resume import Reconnect, RequestMirror
 

@@ -22,8 +22,8 @@ from kvshm.core.check import CheckReport, check_segment
 from kvshm.core.segment import PoolSegment
 from kvshm.core.specs import PoolConfig
 from kvshm.core.stats import read_stats
-from kvshm.replay import Mismatch, TraceTranslator, check_reply, trace_pool_config
 from kvshm.ops import protocol as p
+from kvshm.replay import Mismatch, TraceTranslator, check_reply, trace_pool_config
 from kvshm.service.client import Client, connect
 from kvshm.service.loop import run_async
 from kvshm.service.process import CoordinatorProcess

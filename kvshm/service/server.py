@@ -24,6 +24,7 @@ from pathlib import Path
 import msgspec
 
 from kvshm.core.errors import InvalidArgument, KvshmError
+from kvshm.core.faults import core_classes, install_from_env
 from kvshm.core.hashing import hash_fingerprint
 from kvshm.core.metrics import TENANT_SLOTS
 from kvshm.core.specs import PoolConfig
@@ -39,16 +40,17 @@ from kvshm.ops.errors import (
     SocketInUse,
     VersionMismatch,
 )
+from kvshm.ops.executor import OpExecutor
+from kvshm.ops.lifecycle import SessionLifecycle
+from kvshm.ops.owner import Owner
+from kvshm.ops.protocol import encode_frame
+from kvshm.ops.sessions import DEFAULT_RESUME_GRACE, SessionTable
+from kvshm.ops.tenants import tenant_name_problem
 from kvshm.service.adoption import adopt_pool, create_pool
 from kvshm.service.events import EventPublisher, KVEventsConfig
 from kvshm.service.framing import MAX_FRAME_BYTES, FrameReader
-from kvshm.ops.protocol import encode_frame
 from kvshm.service.handshake import admin_token_path
-from kvshm.ops.executor import OpExecutor
-from kvshm.ops.owner import Owner
 from kvshm.service.process import early_stop_requested
-from kvshm.ops.sessions import DEFAULT_RESUME_GRACE
-from kvshm.ops.tenants import tenant_name_problem
 
 log = logging.getLogger("kvshm.coordinator")
 
@@ -421,6 +423,13 @@ def write_private_file(path: Path, text: str) -> None:
         f.write(text + "\n")
 
 
+def crash_classes() -> dict:
+    """The classes a crash spec (KVSHM_CRASH, core/faults.py) may name in a
+    coordinator process: the core's, the ops layer's and the server's."""
+    return {**core_classes(), "OpExecutor": OpExecutor, "SessionLifecycle": SessionLifecycle,
+            "SessionTable": SessionTable, "Session": Session, "Coordinator": Coordinator}
+
+
 async def serve(config: PoolConfig, *, name: str, socket_path: str | Path,
                 token: str | None = None, admin_token: str | None = None,
                 allow_other_uids: bool = False, fresh: bool = False,
@@ -437,11 +446,8 @@ async def serve(config: PoolConfig, *, name: str, socket_path: str | Path,
     import signal
 
     from kvshm.arena import arena_name
-    from kvshm.core.faults import core_classes, install_from_env
     from kvshm.core.segment import segment_info
     from kvshm.service.adoption import remove_pool
-    from kvshm.ops.lifecycle import SessionLifecycle
-    from kvshm.ops.sessions import SessionTable
 
     info = segment_info(name)
     if info is not None and info["alive"]:
@@ -465,10 +471,7 @@ async def serve(config: PoolConfig, *, name: str, socket_path: str | Path,
         loop.add_signal_handler(sig, stop.set)
     if early_stop_requested():
         stop.set()
-    crash = install_from_env({**core_classes(), "OpExecutor": OpExecutor,
-                              "SessionLifecycle": SessionLifecycle,
-                              "SessionTable": SessionTable, "Session": Session,
-                              "Coordinator": Coordinator})
+    crash = install_from_env(crash_classes())
     if crash is not None:
         log.warning("fault injection: this coordinator exits at %s", crash)
     try:

@@ -39,8 +39,8 @@ import time
 
 from kvshm.core.errors import StaleHits
 from kvshm.core.hashing import HASH_SLOT_BYTES
-from kvshm.core.segment import PoolSegment
 from kvshm.core.layout import FLAG_CACHED
+from kvshm.core.segment import PoolSegment
 from kvshm.core.specs import CrossAttentionSpec, FullSpec, MLASpec, PoolConfig
 from kvshm.ops import protocol as p
 from kvshm.ops.errors import Forbidden
