@@ -287,3 +287,22 @@ def test_sigterm_while_adopting_still_stops_cleanly(pool_name, delay):
         proc.proc.send_signal(signal.SIGTERM)
         assert proc.proc.wait(20) == 0, proc.stderr
     assert segment_info(pool_name) is None and segment_info(f"{pool_name}.kv") is None
+
+
+def test_stopping_a_dead_coordinator_keeps_its_pool_unless_the_caller_owns_it(pool_name):
+    """`stop()` of a coordinator that died leaves its pool for adoption; with
+    `owns_pool` (kvshm run, which made the pool and is done with it) it
+    removes both segments, so a run that ends while its coordinator is down
+    leaves nothing in /dev/shm."""
+    first = CoordinatorProcess(CFG, name=pool_name)
+    first.wait_ready()
+    first.kill()
+    first.proc.wait(10)
+    assert first.stop() == -9
+    assert segment_info(pool_name) is not None           # kept: a new one may adopt it
+    second = CoordinatorProcess(CFG, name=pool_name)     # adopts it
+    second.wait_ready()
+    second.kill()
+    second.proc.wait(10)
+    assert second.stop(owns_pool=True) == -9
+    assert segment_info(pool_name) is None and segment_info(f"{pool_name}.kv") is None

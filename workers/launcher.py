@@ -183,6 +183,7 @@ class Launch:
         self.pool_names: list[str] = []      # the joined pool's segment (--connect)
         self.restarts: list[dict] = []       # coordinator restarts by this supervisor
         self._restarting = 0                 # restarts under way (not listening yet)
+        self._killed: set[int] = set()       # pids SIGKILLed and not yet seen dead
         self.started_at: float | None = None   # time.time() when start_together let them go
         self._arrived: set[int] = set()
         self.turns: TurnBoard | None = None   # when follow-up turns may arrive
@@ -225,6 +226,7 @@ class Launch:
             for c in self.coordinators:
                 if self._stopping or c.proc.poll() is None:
                     continue
+                self._killed.discard(c.proc.pid)
                 died = time.monotonic()
                 code = c.proc.returncode
                 rec = {"at_s": round(died - self._t0, 3), "exit": _exit_text(code)}
@@ -258,12 +260,15 @@ class Launch:
                 continue
             for c in self.coordinators:
                 if c.proc.poll() is None:
+                    # Recorded before the kernel reaps it: poll() may still say
+                    # "running" for a moment, and the run must not end then.
+                    self._killed.add(c.proc.pid)
                     c.proc.kill()
 
     def stop_coordinators(self) -> None:
         errors = []
         for c in self.coordinators:
-            code = c.stop()
+            code = c.stop(owns_pool=True)   # this run made the pool: leave nothing behind
             if code != 0:
                 errors.append(f"coordinator {c.name} exited with {code}: {c.stderr[-500:]}")
         self.coordinators.clear()
@@ -441,9 +446,11 @@ class Launch:
 
     async def _coordinators_up(self, timeout: float = 30.0) -> None:
         """Wait (bounded) for the supervisor to bring a killed coordinator back
-        (listening again and checked, not only started)."""
+        (listening again and checked, not only started), including one killed
+        a moment ago that the kernel has not reaped yet."""
         deadline = time.monotonic() + timeout
-        while ((self._restarting or any(c.proc.poll() is not None for c in self.coordinators))
+        while ((self._restarting or self._killed
+                or any(c.proc.poll() is not None for c in self.coordinators))
                and time.monotonic() < deadline and not self.interrupted.is_set()):
             await asyncio.sleep(0.05)
 

@@ -12,6 +12,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+from kvshm.core.errors import SegmentError
+from kvshm.service.adoption import remove_pool
+
 _PR_SET_PDEATHSIG = 1
 
 
@@ -123,12 +126,14 @@ class CoordinatorProcess:
             raise RuntimeError(f"coordinator did not start within {timeout}s: "
                                f"{line}{self.stderr}")
 
-    def stop(self, timeout: float = 10.0) -> int:
+    def stop(self, timeout: float = 10.0, owns_pool: bool = False) -> int:
         """SIGTERM (a clean shutdown removes the pool's segments) and wait;
         after `timeout` seconds SIGKILL, and then remove the segments the
         killed coordinator could not.  A coordinator that was already dead
-        keeps its segments (a new one may adopt them).  Returns the exit
-        status."""
+        keeps its segments (a new one may adopt them) unless `owns_pool`:
+        the caller is done with the pool however its coordinator ended, so
+        nothing is left in /dev/shm.  Returns the exit status."""
+        remove = owns_pool and self.proc.poll() is not None
         if self.proc.poll() is None:
             self.proc.terminate()
             try:
@@ -136,12 +141,12 @@ class CoordinatorProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-                from kvshm.core.errors import SegmentError
-                from kvshm.service.adoption import remove_pool
-                try:
-                    remove_pool(self.name)
-                except SegmentError:   # it had not created them yet
-                    pass
+                remove = True
+        if remove:
+            try:
+                remove_pool(self.name)
+            except SegmentError:   # it had not created them (or removed them itself)
+                pass
         self.proc.stdout.close()
         self._stderr.close()
         self._dir.cleanup()
