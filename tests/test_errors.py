@@ -8,6 +8,8 @@ group, caching on, unless a test says otherwise.
 
 from __future__ import annotations
 
+import pickle
+
 import pytest
 
 from kvshm import (
@@ -22,6 +24,7 @@ from kvshm import (
 )
 
 from helpers import assert_clean, ids, make_config, tokens
+from kvshm.ops.errors import ERROR_CLASSES, error_from_wire
 
 
 def snapshot(m: KVCacheManager, *request_ids: str):
@@ -440,3 +443,25 @@ def test_hits_reused_for_other_tokens_since_the_lookup_are_stale():
         assert (m.num_free_blocks, m.block_pool.free_queue(), ids(m.get_block_ids("c"))) == before
         assert ids(m.get_block_ids("b")) == [[]]
         assert_clean(m)
+
+
+@pytest.mark.parametrize("cls", [c for c in ERROR_CLASSES.values() if c.template],
+                         ids=lambda c: c.__name__)
+def test_an_error_made_from_its_fields_crosses_the_wire_whole(cls):
+    """A templated error is raised with its fields' values: its message
+    names them, and the client's copy (code -> class, message, fields) is
+    the same error."""
+    values = tuple(f"v-{f}" if f in ("path", "name", "request_id", "field", "rule")
+                   else 1000 + i for i, f in enumerate(cls.fields))
+    err = cls(*values)
+    assert {f: getattr(err, f) for f in cls.fields} == dict(zip(cls.fields, values))
+    for v in values:
+        assert (f"{v:,}" if isinstance(v, int) else v) in str(err) or str(v) in str(err)
+    back = error_from_wire(err.code, str(err), err.wire_fields())
+    assert type(back) is cls and str(back) == str(err)
+    assert back.wire_fields() == err.wire_fields()
+    copy = pickle.loads(pickle.dumps(err))  # as a multiprocessing pool returns it
+    assert type(copy) is cls and str(copy) == str(err)
+    assert copy.wire_fields() == err.wire_fields()
+    with pytest.raises(TypeError, match=cls.__name__):
+        cls(*values[:-1])

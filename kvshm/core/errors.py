@@ -12,10 +12,30 @@ class KvshmError(Exception):
     """Base class of every error kvshm raises on purpose.
 
     `fields` names the attributes (ints and strings) that travel with the
-    error on the wire, so that the client's copy has them too."""
+    error on the wire, so that the client's copy has them too.  A class with
+    a `template` is raised with its fields' values, in `fields` order, and
+    its message is the template formatted with them; one without takes a
+    message, as any exception does."""
 
     code = "ERROR"
     fields: tuple[str, ...] = ()
+    template = ""
+
+    def __init__(self, *args: object) -> None:
+        if not self.template:
+            super().__init__(*args)
+            return
+        if len(args) != len(self.fields):
+            raise TypeError(f"{type(self).__name__}({', '.join(self.fields)}) "
+                            f"takes {len(self.fields)} values, got {len(args)}")
+        values = dict(zip(self.fields, args))
+        self.__dict__.update(values)
+        super().__init__(self.template.format(**values))
+
+    def __reduce__(self):  # a pickled copy is rebuilt from its fields, not its message
+        if not self.template:
+            return super().__reduce__()
+        return type(self), tuple(getattr(self, f) for f in self.fields)
 
     def wire_fields(self) -> dict[str, int | str]:
         """This error's `fields` and their values."""
@@ -39,11 +59,7 @@ class ConfigError(KvshmError, ValueError):
 
     code = "BAD_CONFIG"
     fields = ("field", "rule")
-
-    def __init__(self, field: str, rule: str) -> None:
-        super().__init__(f"{field}: {rule}")
-        self.field = field
-        self.rule = rule
+    template = "{field}: {rule}"
 
 
 class InvalidArgument(KvshmError, ValueError):
@@ -65,10 +81,7 @@ class UnknownRequest(KvshmError, KeyError):
 
     code = "UNKNOWN_REQUEST"
     fields = ("request_id",)
-
-    def __init__(self, request_id: str) -> None:
-        super().__init__(f"unknown request {request_id!r}")
-        self.request_id = request_id
+    template = "unknown request {request_id!r}"
 
     def __str__(self) -> str:  # KeyError would quote the whole message
         return self.args[0]
@@ -79,10 +92,7 @@ class DuplicateRequest(KvshmError, ValueError):
 
     code = "DUPLICATE_REQUEST"
     fields = ("request_id",)
-
-    def __init__(self, request_id: str) -> None:
-        super().__init__(f"request {request_id!r} already exists")
-        self.request_id = request_id
+    template = "request {request_id!r} already exists"
 
 
 class StaleHits(InvalidArgument):
@@ -97,13 +107,8 @@ class RequestTableFull(KvshmError):
 
     code = "TABLE_FULL"
     fields = ("capacity",)
-
-    def __init__(self, capacity: int) -> None:
-        super().__init__(
-            f"all {capacity} request slots are in use "
-            "(raise max_num_seqs in the pool config)"
-        )
-        self.capacity = capacity
+    template = ("all {capacity} request slots are in use "
+                "(raise max_num_seqs in the pool config)")
 
 
 class RequestTooLong(KvshmError, ValueError):
@@ -111,15 +116,8 @@ class RequestTooLong(KvshmError, ValueError):
 
     code = "REQUEST_TOO_LONG"
     fields = ("group", "needed", "capacity")
-
-    def __init__(self, group: int, needed: int, capacity: int) -> None:
-        super().__init__(
-            f"group {group}: request needs {needed} blocks, a request-table row "
-            f"holds {capacity} (max_model_len / max_encoder_len bound it)"
-        )
-        self.group = group
-        self.needed = needed
-        self.capacity = capacity
+    template = ("group {group}: request needs {needed} blocks, a request-table row "
+                "holds {capacity} (max_model_len / max_encoder_len bound it)")
 
 
 class SegmentError(KvshmError):
@@ -133,17 +131,10 @@ class ShmSpaceError(KvshmError):
 
     code = "NO_SHM_SPACE"
     fields = ("needed", "available", "path")
-
-    def __init__(self, needed: int, available: int, path: str) -> None:
-        super().__init__(
-            f"the pool's shared memory needs {needed:,} bytes but {path} has only "
-            f"{available:,} free; enlarge it (for example "
-            f"`mount -o remount,size=8G {path}`, or `docker run --shm-size=8g`) "
-            "or lower num_blocks / --kv-memory / max_num_seqs"
-        )
-        self.needed = needed
-        self.available = available
-        self.path = path
+    template = ("the pool's shared memory needs {needed:,} bytes but {path} has only "
+                "{available:,} free; enlarge it (for example "
+                "`mount -o remount,size=8G {path}`, or `docker run --shm-size=8g`) "
+                "or lower num_blocks / --kv-memory / max_num_seqs")
 
 
 class NoFreeBlocks(KvshmError):
@@ -151,11 +142,7 @@ class NoFreeBlocks(KvshmError):
 
     code = "NO_FREE_BLOCKS"
     fields = ("requested", "available")
-
-    def __init__(self, requested: int, available: int) -> None:
-        super().__init__(f"requested {requested} blocks, {available} free")
-        self.requested = requested
-        self.available = available
+    template = "requested {requested} blocks, {available} free"
 
 
 class PoolRefused(KvshmError):

@@ -34,11 +34,7 @@ class FrameTooLarge(ProtocolError):
 
     code = "FRAME_TOO_LARGE"
     fields = ("size", "limit")
-
-    def __init__(self, size: int, limit: int) -> None:
-        super().__init__(f"frame of {size} bytes exceeds the limit of {limit}")
-        self.size = size
-        self.limit = limit
+    template = "frame of {size} bytes exceeds the limit of {limit}"
 
 
 class BatchTooLarge(ProtocolError):
@@ -104,10 +100,7 @@ class SocketInUse(KvshmError):
 
     code = "SOCKET_IN_USE"
     fields = ("path",)
-
-    def __init__(self, path: str) -> None:
-        super().__init__(f"another coordinator listens on {path}")
-        self.path = path
+    template = "another coordinator listens on {path}"
 
 
 class PoolInUse(KvshmError):
@@ -115,11 +108,7 @@ class PoolInUse(KvshmError):
 
     code = "POOL_IN_USE"
     fields = ("name", "pid")
-
-    def __init__(self, name: str, pid: int) -> None:
-        super().__init__(f"pool {name!r} is served by live process {pid}")
-        self.name = name
-        self.pid = pid
+    template = "pool {name!r} is served by live process {pid}"
 
 
 class ConnectionClosed(KvshmError):
