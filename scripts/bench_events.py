@@ -22,13 +22,10 @@ import json
 import sys
 import tempfile
 import time
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from kvshm.service.events import EventCollector  # noqa: E402
-from service_load import (  # noqa: E402
+from bench_common import add_json_argument, write_results
+from kvshm.service.events import EventCollector
+from service_load import (
     Workers,
     ab_rounds,
     ab_rows,
@@ -47,7 +44,7 @@ def main() -> int:
                     help="publish to nobody (the events are recorded, encoded and handed "
                     "to ZMQ, which drops them): the coordinator's own cost without a "
                     "subscriber's CPU on this host")
-    ap.add_argument("--json", default=str(REPO / "bench-results" / "events.json"))
+    add_json_argument(ap, "events")
     args = ap.parse_args()
     config, recs = ab_workload(args)
     d = tempfile.mkdtemp(prefix="kvshm-bench-events-")
@@ -83,10 +80,7 @@ def main() -> int:
            "subscriber": drain is not None,
            "subscriber_batches": drain.num_batches if drain else 0,
            "subscriber_events": drain.num_events if drain else 0}
-    path = Path(args.json)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(out, indent=2))
-    print(f"wrote {path}")
+    write_results(args.json, out)
     return 0
 
 

@@ -17,19 +17,15 @@ unscraped, then its median.
 from __future__ import annotations
 
 import argparse
-import json
 import socket
 import subprocess
 import sys
 import threading
 import time
 import urllib.request
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from service_load import (  # noqa: E402
+from bench_common import add_json_argument, write_results
+from service_load import (
     Workers,
     ab_rounds,
     ab_rows,
@@ -73,7 +69,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_ab_arguments(ap)
     ap.add_argument("--scrape-interval", type=float, default=1.0)
-    ap.add_argument("--json", default=str(REPO / "bench-results" / "metrics.json"))
+    add_json_argument(ap, "metrics")
     args = ap.parse_args()
     config, recs = ab_workload(args)
     probe = socket.socket()
@@ -114,10 +110,7 @@ def main() -> int:
               f"{r['ops_per_s_on']:14,.0f}  {r['ratio']:.2f}")
     out = {"benchmark": "metrics", "rows": rows, "scrapes": scraper.scrapes,
            "scrape_seconds": per_scrape, "scrape_interval": args.scrape_interval}
-    path = Path(args.json)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(out, indent=2))
-    print(f"wrote {path}")
+    write_results(args.json, out)
     return 0
 
 

@@ -20,20 +20,13 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from kvshm import FullSpec, KVCacheManager, PoolConfig  # noqa: E402
-
-ORACLE = Path(os.environ.get("KVSHM_ORACLE", REPO.parent / "shared" / "oracle"))
-ORACLE_PY = Path(os.environ.get("KVSHM_ORACLE_PY", "/tmp/kvshm-oracle/venv/bin/python"))
+from bench_common import ORACLE, ORACLE_PY, add_json_argument, write_results
+from kvshm import FullSpec, KVCacheManager, PoolConfig
 
 _REFERENCE = r"""
 import sys, time, tracemalloc, json
@@ -97,7 +90,7 @@ def main() -> int:
     ap.add_argument("--blocks", type=int, nargs="+", default=[1_000_000, 4_000_000])
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--no-reference", action="store_true")
-    ap.add_argument("--json", default=str(REPO / "bench-results" / "pool.json"))
+    add_json_argument(ap, "pool")
     args = ap.parse_args()
     rows = []
     for n in args.blocks:
@@ -115,10 +108,7 @@ def main() -> int:
                          f"{ref['bytes_per_block']:.0f} B/block traced")
         print(line, flush=True)
         rows.append(row)
-    out = Path(args.json)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"benchmark": "pool", "results": rows}, indent=2))
-    print(f"wrote {out}")
+    write_results(args.json, {"benchmark": "pool", "results": rows})
     return 0
 
 

@@ -20,18 +20,14 @@ are printed.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import re
 import statistics
 import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from kvshm.replay import bench_trace, expand_paths, load_trace  # noqa: E402
+from bench_common import ORACLE, ORACLE_PY, REPO, add_json_argument, write_results
+from kvshm.replay import bench_trace, expand_paths, load_trace
 
 TRACES = REPO / "tests" / "data" / "conformance" / "traces"
 DEFAULT = [
@@ -40,8 +36,6 @@ DEFAULT = [
     "hyb3-full-sw-sw-tiny-chat-s2300.jsonl.gz",
     "eagle-full16-large-short-s2503.jsonl.gz",
 ]
-ORACLE = Path(os.environ.get("KVSHM_ORACLE", REPO.parent / "shared" / "oracle"))
-ORACLE_PY = Path(os.environ.get("KVSHM_ORACLE_PY", "/tmp/kvshm-oracle/venv/bin/python"))
 _OPS = re.compile(r"-> ([\d,]+) ops/s")
 
 
@@ -61,7 +55,7 @@ def main() -> int:
     ap.add_argument("traces", nargs="*", help="trace files or directories")
     ap.add_argument("--rounds", type=int, default=3, help="alternating rounds per trace")
     ap.add_argument("--no-reference", action="store_true")
-    ap.add_argument("--json", default=str(REPO / "bench-results" / "replay.json"))
+    add_json_argument(ap, "replay")
     args = ap.parse_args()
     paths = list(expand_paths(args.traces)) if args.traces else [TRACES / t for t in DEFAULT]
     use_ref = not args.no_reference and ORACLE_PY.exists() and (ORACLE / "replay_vllm.py").exists()
@@ -92,11 +86,7 @@ def main() -> int:
                      f"   ratio {row['ratio']:.2f}x")
         print(line, flush=True)
         results.append(row)
-    out = Path(args.json)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"benchmark": "replay", "rounds": args.rounds,
-                               "results": results}, indent=2))
-    print(f"wrote {out}")
+    write_results(args.json, {"benchmark": "replay", "rounds": args.rounds, "results": results})
     return 0
 
 

@@ -51,7 +51,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import shlex
 import signal
@@ -61,20 +60,18 @@ import time
 from array import array
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+import psutil
 
-import psutil  # noqa: E402
-
-from kvshm.core.metrics import percentile  # noqa: E402
-from kvshm.core.specs import FullSpec, PoolConfig  # noqa: E402
-from kvshm.ops import protocol as p  # noqa: E402
-from kvshm.ops.protocol import encode_frame  # noqa: E402
-from kvshm.service.handshake import make_hello  # noqa: E402
-from kvshm.service.process import CoordinatorProcess  # noqa: E402
-from kvshm.service.sync_client import open_wire_sync  # noqa: E402
-from kvshm.workload import WorkloadSpec  # noqa: E402
-from service_load import (  # noqa: E402
+from bench_common import add_json_argument, write_results
+from kvshm.core.metrics import percentile
+from kvshm.core.specs import FullSpec, PoolConfig
+from kvshm.ops import protocol as p
+from kvshm.ops.protocol import encode_frame
+from kvshm.service.handshake import make_hello
+from kvshm.service.process import CoordinatorProcess
+from kvshm.service.sync_client import open_wire_sync
+from kvshm.workload import WorkloadSpec
+from service_load import (
     Recording,
     Workers,
     bench_embedded,
@@ -319,7 +316,7 @@ def main() -> int:
     ap.add_argument("--profile", action="store_true",
                     help="print a cProfile of the coordinator handling 64-op frames in-process")
     ap.add_argument("--strict", action="store_true", help="exit 1 if a target is missed")
-    ap.add_argument("--json", default=str(REPO / "bench-results" / "service.json"))
+    add_json_argument(ap, "service")
     args = ap.parse_args()
     signal.signal(signal.SIGTERM, _sigterm)
     command = shlex.join([Path(sys.executable).name, *sys.argv])
@@ -540,17 +537,10 @@ def main() -> int:
         print(f"  {'PASS' if a['pass'] else 'MISS'}  {k} = {shown} (target {a['target']})")
     for msg in problems:
         print(f"  PROBLEM: {msg}")
-    path = Path(args.json)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(out, indent=2, default=lambda o: list(o)))
-    try:
-        shown = path.relative_to(Path.cwd())
-    except ValueError:
-        shown = path
     print(f"total {out['seconds_total']:.0f}s; meanwhile other processes used {other:.1f} "
           f"CPU-seconds ({other / wall:.0%} of one CPU) and the hypervisor stole "
           f"{out['steal_cpu_s']:.1f}")
-    print(f"wrote {shown}")
+    write_results(args.json, out)
     if problems:
         return 1
     if args.strict and not all(a["pass"] for a in acc.values()):

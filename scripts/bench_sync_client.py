@@ -21,25 +21,21 @@ Prints a table and writes JSON (default bench-results/sync_client.json).
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import os
 import socket
 import statistics
-import sys
 import tempfile
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from kvshm.core.metrics import percentile  # noqa: E402
-from kvshm.core.specs import FullSpec, PoolConfig  # noqa: E402
-from kvshm.ops import protocol as p  # noqa: E402
-from kvshm.ops.protocol import encode_frame  # noqa: E402
-from kvshm.service.handshake import make_hello  # noqa: E402
-from kvshm.service.process import CoordinatorProcess  # noqa: E402
-from kvshm.service.sync_client import connect_sync, open_wire_sync  # noqa: E402
+from bench_common import add_json_argument, write_results
+from kvshm.core.metrics import percentile
+from kvshm.core.specs import FullSpec, PoolConfig
+from kvshm.ops import protocol as p
+from kvshm.ops.protocol import encode_frame
+from kvshm.service.handshake import make_hello
+from kvshm.service.process import CoordinatorProcess
+from kvshm.service.sync_client import connect_sync, open_wire_sync
 
 CONFIG = PoolConfig(num_blocks=4096, hash_block_size=16, max_model_len=4096,
                     groups=(FullSpec(16),), max_num_seqs=64)
@@ -199,7 +195,7 @@ def run(rounds: int) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=6000)
-    ap.add_argument("--json", default="bench-results/sync_client.json")
+    add_json_argument(ap, "sync_client")
     args = ap.parse_args(argv)
     res = run(args.rounds)
     print(f"{'frame':<16}{'bytes':>6}{'echo p50':>10}{'uv echo':>9}{'raw p50':>10}"
@@ -210,9 +206,7 @@ def main(argv=None) -> int:
               f"{r['raw']['p50_us']:>10.1f}{r['sync']['p50_us']:>10.1f}"
               f"{r['sync']['p99_us']:>10.1f}{r['sync_vs_echo_p50']:>10.2f}x"
               f"{r['sync_vs_raw_p50']:>9.2f}x")
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(res, indent=1))
-    print(f"wrote {args.json}")
+    write_results(args.json, res)
     return 0
 
 

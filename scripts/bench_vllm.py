@@ -54,16 +54,14 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from kvshm.config import model_pool_config  # noqa: E402
-from kvshm.core.metrics import percentile, read_metrics  # noqa: E402
-from kvshm.core.segment import PoolSegment  # noqa: E402
-from kvshm.service.process import CoordinatorProcess  # noqa: E402
-from kvshm.vllm.model import write_tiny_model  # noqa: E402
-from kvshm.workers.topology import format_cpulist, plan  # noqa: E402
-from kvshm.workers.traffic import RagSpec, rag  # noqa: E402
+from bench_common import RESULTS
+from kvshm.config import model_pool_config
+from kvshm.core.metrics import percentile, read_metrics
+from kvshm.core.segment import PoolSegment
+from kvshm.service.process import CoordinatorProcess
+from kvshm.vllm.model import write_tiny_model
+from kvshm.workers.topology import format_cpulist, plan
+from kvshm.workers.traffic import RagSpec, rag
 
 BLOCK = 32
 WORKLOADS = ("chat", "rag", "unique")
@@ -245,7 +243,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-num-seqs", type=int, default=8)
     ap.add_argument("--kv-memory", type=int, default=512, help="MiB, shared pool total")
     ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--out", default="bench-results")
+    ap.add_argument("--out", default=str(RESULTS))
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
