@@ -174,7 +174,7 @@ def test_rm_accepts_a_path_in_dev_shm(stale_pool, capsys):
     assert not os.path.exists(f"{SHM_DIR}/{stale_pool}")
 
 
-@pytest.mark.parametrize("command", ["check", "stats", "rm"])
+@pytest.mark.parametrize("command", ["check", "stats", "top", "metrics", "rm"])
 @pytest.mark.parametrize("arg", ["/tmp/kvshm-x", "sub/kvshm-x", f"{SHM_DIR}/",
                                  f"{SHM_DIR}/sub/kvshm-x"])
 def test_a_path_outside_dev_shm_is_refused(command, arg, capsys):
@@ -184,7 +184,7 @@ def test_a_path_outside_dev_shm_is_refused(command, arg, capsys):
         f"name (see `kvshm ls`) or {SHM_DIR}/NAME\n")
 
 
-@pytest.mark.parametrize("command", ["check", "stats", "rm"])
+@pytest.mark.parametrize("command", ["check", "stats", "top", "metrics", "rm"])
 @pytest.mark.parametrize("arg", ["", "..", "kvshm x", "x" * 201, f"{SHM_DIR}/.x*"])
 def test_a_bad_segment_name_is_refused(command, arg, capsys):
     name = arg.rsplit("/", 1)[-1]

@@ -14,6 +14,7 @@ import pytest
 
 from helpers import make_config, tokens
 from kvshm.core import metrics as m
+from kvshm.core.shm import SHM_DIR
 from kvshm.ops import protocol as p
 from kvshm.ops.errors import ERROR_CLASSES
 from kvshm.service.process import CoordinatorProcess
@@ -201,10 +202,14 @@ def test_metrics_once_prints_a_parsable_scrape(pool_name):
             workload(c, "x")
         out = subprocess.run([*KVSHM, "metrics", "--once", pool_name], capture_output=True,
                              text=True, timeout=30)
+        by_path = subprocess.run([*KVSHM, "metrics", "--once", f"{SHM_DIR}/{pool_name}"],
+                                 capture_output=True, text=True, timeout=30)
     assert out.returncode == 0, out.stderr
     fams = {f.name: f for f in parser.text_string_to_metric_families(out.stdout)}
     assert EXPECTED <= set(fams)
     assert value(fams, "kvshm_sessions_started", pool=pool_name) == 1
+    assert by_path.returncode == 0, by_path.stderr
+    assert f'kvshm_pool_up{{pool="{pool_name}"}} 1.0' in by_path.stdout
 
 
 def test_logs_say_who_connected_resumed_and_ended(pool_name, tmp_path):

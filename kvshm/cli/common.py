@@ -2,10 +2,35 @@
 
 from __future__ import annotations
 
+import argparse
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from kvshm.core.errors import SegmentError
+from kvshm.core.segment import PoolSegment
 from kvshm.core.shm import SHM_DIR, valid_name
+
+DEFAULT_POOL = "kvshm"
+
+
+def add_name_argument(p: argparse.ArgumentParser, *, required: bool = False) -> None:
+    """The positional pool NAME of the commands that read a pool's segment;
+    `kvshm` unless `required`."""
+    if required:
+        p.add_argument("name", help="segment name (see `kvshm ls`)")
+    else:
+        p.add_argument("name", nargs="?", default=DEFAULT_POOL,
+                       help=f"pool name (default {DEFAULT_POOL})")
+
+
+@contextmanager
+def attach_named(arg: str) -> Iterator[tuple[str, PoolSegment]]:
+    """The bare name `arg` stands for (`segment_name`) and its segment,
+    attached for the `with` block."""
+    name = segment_name(arg)
+    with PoolSegment.attach(name) as seg:
+        yield name, seg
 
 
 def segment_name(arg: str) -> str:

@@ -23,6 +23,7 @@ import sys
 import threading
 import time
 
+from kvshm.cli.common import add_name_argument, segment_name
 from kvshm.core.errors import ConfigError, SegmentError
 from kvshm.core.metrics import LATENCY_BOUNDS_NS, read_metrics
 from kvshm.core.segment import SHM_DIR, PoolSegment
@@ -100,27 +101,24 @@ def families(pool: str, st: dict, m: dict):
         HistogramMetricFamily,
     )
 
-    def gauge(name, doc, value, labels=("pool",), key=(pool,)):
-        f = GaugeMetricFamily(name, doc, labels=list(labels))
-        f.add_metric(list(key), value)
+    def one(family, name, doc, value, label="pool"):
+        f = family(name, doc, labels=[label])
+        f.add_metric([pool], value)
         return f
 
-    def counter(name, doc, value, labels=("pool",), key=(pool,)):
-        f = CounterMetricFamily(name, doc, labels=list(labels))
-        f.add_metric(list(key), value)
-        return f
-
-    model = (("model_name",), (pool,))
-    yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
-                st["usage"], *model)
-    yield counter("vllm:prefix_cache_queries",
-                  "Prefix cache queries, in terms of number of queried tokens.",
-                  st["query_tokens"], *model)
-    yield counter("vllm:prefix_cache_hits",
-                  "Prefix cache hits, in terms of number of cached tokens.",
-                  st["hit_tokens"], *model)
-    yield counter("vllm:num_preemptions", "Cumulative number of preemptions (frees with "
-                  "preempted=True).", m["preemptions"], *model)
+    G, C = GaugeMetricFamily, CounterMetricFamily
+    # vLLM's own names, labelled by model_name as vLLM labels them
+    for family, name, doc, value in (
+        (G, "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
+         st["usage"]),
+        (C, "vllm:prefix_cache_queries",
+         "Prefix cache queries, in terms of number of queried tokens.", st["query_tokens"]),
+        (C, "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached "
+         "tokens.", st["hit_tokens"]),
+        (C, "vllm:num_preemptions", "Cumulative number of preemptions (frees with "
+         "preempted=True).", m["preemptions"]),
+    ):
+        yield one(family, name, doc, value, label="model_name")
     blocks = GaugeMetricFamily("kvshm_blocks", "Blocks of the pool by state (total "
                                "excludes nothing; used = held by requests)",
                                labels=["pool", "state"])
@@ -128,34 +126,35 @@ def families(pool: str, st: dict, m: dict):
                        ("cached", "num_cached_blocks"), ("used", "num_used_blocks")):
         blocks.add_metric([pool, state], st[key])
     yield blocks
-    yield gauge("kvshm_requests", "Requests holding a slot of the request table",
-                st["num_requests"])
-    yield gauge("kvshm_sessions", "Sessions connected now", m["sessions_open"])
-    yield counter("kvshm_sessions_started", "Sessions ever opened (resumes excluded)",
-                  m["sessions_total"])
-    yield counter("kvshm_sessions_resumed", "Sessions taken back after a coordinator "
-                  "restart", m["sessions_resumed"])
-    yield counter("kvshm_handshakes_refused", "Connections refused at the handshake",
-                  m["handshakes_refused"])
-    yield counter("kvshm_frames", "Frames (one op or one batch) executed", m["frames"])
-    yield counter("kvshm_prefix_cache_lookups", "Prefix-cache lookups (requests)",
-                  st["queries"])
-    yield counter("kvshm_prefix_cache_lookup_hits", "Lookups that hit at least one block",
-                  st["hits"])
-    yield counter("kvshm_blocks_allocated", "Blocks handed out by allocations",
-                  st["blocks_allocated"])
-    yield counter("kvshm_evictions", "Cached blocks whose hash was dropped (to reuse the "
-                  "block, or by evict_blocks)", st["blocks_evicted"])
-    yield counter("kvshm_coordinator_restarts", "Times a coordinator adopted this pool",
-                  st["generation"])
-    yield gauge("kvshm_coordinator_up", "1 while the pool's coordinator process lives",
-                1 if st["coordinator_alive"] else 0)
-    yield counter("kvshm_events_published", "KV-event batches published",
-                  m["events_published"])
-    yield counter("kvshm_events_dropped", "KV-event batches dropped (queue full or "
-                  "high-water mark)", m["events_dropped"])
-    yield counter("kvshm_quota_refusals", "Allocations refused for a tenant's quota",
-                  m["quota_refusals"])
+    for family, name, doc, value in (
+        (G, "kvshm_requests", "Requests holding a slot of the request table",
+         st["num_requests"]),
+        (G, "kvshm_sessions", "Sessions connected now", m["sessions_open"]),
+        (C, "kvshm_sessions_started", "Sessions ever opened (resumes excluded)",
+         m["sessions_total"]),
+        (C, "kvshm_sessions_resumed", "Sessions taken back after a coordinator restart",
+         m["sessions_resumed"]),
+        (C, "kvshm_handshakes_refused", "Connections refused at the handshake",
+         m["handshakes_refused"]),
+        (C, "kvshm_frames", "Frames (one op or one batch) executed", m["frames"]),
+        (C, "kvshm_prefix_cache_lookups", "Prefix-cache lookups (requests)", st["queries"]),
+        (C, "kvshm_prefix_cache_lookup_hits", "Lookups that hit at least one block",
+         st["hits"]),
+        (C, "kvshm_blocks_allocated", "Blocks handed out by allocations",
+         st["blocks_allocated"]),
+        (C, "kvshm_evictions", "Cached blocks whose hash was dropped (to reuse the block, "
+         "or by evict_blocks)", st["blocks_evicted"]),
+        (C, "kvshm_coordinator_restarts", "Times a coordinator adopted this pool",
+         st["generation"]),
+        (G, "kvshm_coordinator_up", "1 while the pool's coordinator process lives",
+         1 if st["coordinator_alive"] else 0),
+        (C, "kvshm_events_published", "KV-event batches published", m["events_published"]),
+        (C, "kvshm_events_dropped", "KV-event batches dropped (queue full or high-water "
+         "mark)", m["events_dropped"]),
+        (C, "kvshm_quota_refusals", "Allocations refused for a tenant's quota",
+         m["quota_refusals"]),
+    ):
+        yield one(family, name, doc, value)
     errors = CounterMetricFamily("kvshm_errors", "Error replies by code",
                                  labels=["pool", "code"])
     for code, n in m["errors"].items():
@@ -251,7 +250,7 @@ def start_exporter_process(name: str, port: int, addr: str = ""):
 
 
 def add_arguments(p) -> None:
-    p.add_argument("name", nargs="?", default="kvshm", help="pool name (default kvshm)")
+    add_name_argument(p)
     p.add_argument("--port", type=int, default=DEFAULT_PORT,
                    help=f"HTTP port (default {DEFAULT_PORT}); 0 picks a free one")
     p.add_argument("--addr", default="", help="address to listen on (default: all)")
@@ -261,10 +260,11 @@ def add_arguments(p) -> None:
 
 def main(args) -> int:
     """`kvshm metrics`: serve until SIGINT/SIGTERM (or print one scrape)."""
+    name = segment_name(args.name)
     prom = import_prometheus()
     if args.once:
         registry = prom.CollectorRegistry(auto_describe=False)
-        collector = PoolCollector(args.name)
+        collector = PoolCollector(name)
         registry.register(collector)
         try:
             text = prom.generate_latest(registry).decode()
@@ -272,11 +272,11 @@ def main(args) -> int:
             collector.close()
         sys.stdout.write(text)
         if not collector.found:
-            print(f"kvshm metrics: no pool {args.name!r} in {SHM_DIR}", file=sys.stderr)
+            print(f"kvshm metrics: no pool {name!r} in {SHM_DIR}", file=sys.stderr)
             return 2
         return 0
-    server, thread, collector = serve_metrics(args.name, args.port, args.addr)
-    print(f"metrics of pool {args.name!r} on http://{args.addr or '0.0.0.0'}:"
+    server, thread, collector = serve_metrics(name, args.port, args.addr)
+    print(f"metrics of pool {name!r} on http://{args.addr or '0.0.0.0'}:"
           f"{server.server_port}/metrics", flush=True)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -5,22 +5,20 @@ from __future__ import annotations
 import argparse
 import json
 
-from kvshm.cli.common import segment_name
+from kvshm.cli.common import add_name_argument, attach_named
 from kvshm.core import fmt
-from kvshm.core.segment import PoolSegment
 from kvshm.core.stats import read_stats
 
 HELP = "pool statistics, read from the segment directly"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("name", nargs="?", default="kvshm", help="pool name (default kvshm)")
+    add_name_argument(p)
     p.add_argument("--json", action="store_true")
 
 
 def main(args: argparse.Namespace) -> int:
-    name = segment_name(args.name)
-    with PoolSegment.attach(name) as seg:
+    with attach_named(args.name) as (name, seg):
         st = read_stats(seg)
     if args.json:
         print(json.dumps(st, indent=2))

@@ -21,10 +21,9 @@ import sys
 import time
 from dataclasses import dataclass
 
-from kvshm.cli.common import segment_name
+from kvshm.cli.common import add_name_argument, attach_named
 from kvshm.core import fmt
 from kvshm.core.metrics import quantile, read_metrics
-from kvshm.core.segment import PoolSegment
 from kvshm.core.stats import read_stats
 from kvshm.ops.sessions import SessionTable, tenant_digest
 
@@ -111,7 +110,7 @@ def render(prev: Sample, cur: Sample, name: str, width: int = 100) -> list[str]:
 
 
 def add_arguments(p) -> None:
-    p.add_argument("name", nargs="?", default="kvshm", help="pool name (default kvshm)")
+    add_name_argument(p)
     p.add_argument("--interval", type=float, default=1.0, help="seconds between frames")
     p.add_argument("--once", action="store_true", help="print one frame and exit")
 
@@ -120,8 +119,7 @@ def main(args) -> int:
     if not args.interval > 0:
         print("kvshm top: --interval must be > 0", file=sys.stderr)
         return 2
-    name = segment_name(args.name)
-    with PoolSegment.attach(name) as seg:
+    with attach_named(args.name) as (name, seg):
         prev = sample(seg)
         if args.once:
             time.sleep(args.interval)
