@@ -82,39 +82,35 @@ def _group_members(pgid: int) -> list[str]:
     return out
 
 
-def test_bench_events_tiny(tmp_path):
-    """scripts/bench_events.py: both coordinators, both modes, a ratio per
-    configuration, the subscriber saw the events; nothing left behind."""
-    out = tmp_path / "events.json"
+def _run_ab_bench(tmp_path, script: str, *extra: str):
+    """Run an on/off benchmark of scripts/ (service_load's A/B rounds) at its
+    smallest; check its one row and that it left no segment; returns the
+    finished process and the JSON it wrote."""
+    out = tmp_path / "out.json"
     before = _kvshm_segments()
     proc = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "bench_events.py"), "--requests", "6",
-         "--clients", "1", "--batches", "8", "--rounds", "2", "--num-blocks", "4096",
+        [sys.executable, str(REPO / "scripts" / script), "--requests", "6", "--clients", "1",
+         "--batches", "8", "--rounds", "2", "--num-blocks", "4096", *extra,
          "--json", str(out)], capture_output=True, text=True, cwd=REPO, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     doc = json.loads(out.read_text())
     [row] = doc["rows"]
     assert (row["clients"], row["batch"]) == (1, 8) and len(row["rounds_on"]) == 2
     assert row["ops_per_s_on"] > 0 and row["ops_per_s_off"] > 0 and row["ratio"] > 0
+    assert not _leaked(_kvshm_segments() - before)
+    return proc, doc
+
+
+def test_bench_events_tiny(tmp_path):
+    """scripts/bench_events.py: both coordinators, both modes, a ratio per
+    configuration, the subscriber saw the events; nothing left behind."""
+    proc, doc = _run_ab_bench(tmp_path, "bench_events.py")
     assert doc["subscriber_events"] > 0
     assert "worst ratio" in proc.stdout
-    assert not _leaked(_kvshm_segments() - before)
 
 
 def test_bench_metrics_tiny(tmp_path):
     """scripts/bench_metrics.py: scraped and unscraped rounds, a ratio per
     configuration, the scraper really scraped; nothing left behind."""
-    out = tmp_path / "metrics.json"
-    before = _kvshm_segments()
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "bench_metrics.py"), "--requests", "6",
-         "--clients", "1", "--batches", "8", "--rounds", "2", "--num-blocks", "4096",
-         "--scrape-interval", "0.05", "--json", str(out)],
-        capture_output=True, text=True, cwd=REPO, timeout=300)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    doc = json.loads(out.read_text())
-    [row] = doc["rows"]
-    assert (row["clients"], row["batch"]) == (1, 8) and len(row["rounds_on"]) == 2
-    assert row["ops_per_s_on"] > 0 and row["ops_per_s_off"] > 0 and row["ratio"] > 0
+    _, doc = _run_ab_bench(tmp_path, "bench_metrics.py", "--scrape-interval", "0.05")
     assert doc["scrapes"] > 0
-    assert not _leaked(_kvshm_segments() - before)

@@ -155,15 +155,22 @@ def test_sink_groups_reserve_in_group_order():
 # -- sliding window ---------------------------------------------------------------------
 
 
+def computed_20_then_skipped(m):
+    """Request "a" of 20 tokens, all computed in one step (blocks 1-5 of 4
+    tokens), then its skipped blocks removed; returns the pool's hasher."""
+    h = m.make_hasher()
+    a = Request("a", tokens(0, 20), h)
+    assert ids(m.allocate_slots(a, 20)) == [[1, 2, 3, 4, 5]]
+    step(a, 20, [20])
+    m.remove_skipped_blocks("a", 20)
+    return h
+
+
 def test_sliding_window_remove_skipped_blocks_nulls_and_frees_them():
     """Window 8 at 20 computed tokens skips 13 tokens = 3 blocks: they become 0
     and are freed last-first ([3, 2, 1] to the tail)."""
     with KVCacheManager(make_config([SW8])) as m:
-        h = m.make_hasher()
-        a = Request("a", tokens(0, 20), h)
-        assert ids(m.allocate_slots(a, 20)) == [[1, 2, 3, 4, 5]]
-        step(a, 20, [20])
-        m.remove_skipped_blocks("a", 20)
+        computed_20_then_skipped(m)
         assert m.get_block_ids("a") == ([0, 0, 0, 4, 5],)
         assert m.num_free_blocks == 9
         assert m.block_pool.free_queue() == [6, 7, 8, 9, 10, 11, 3, 2, 1]
@@ -312,11 +319,7 @@ def test_chunked_local_frees_blocks_before_the_current_chunk():
     blocks become 0; a hit starts at the current chunk."""
     spec = ChunkedLocalSpec(4, attention_chunk_size=8)
     with KVCacheManager(make_config([spec])) as m:
-        h = m.make_hasher()
-        a = Request("a", tokens(0, 20), h)
-        assert ids(m.allocate_slots(a, 20)) == [[1, 2, 3, 4, 5]]
-        step(a, 20, [20])
-        m.remove_skipped_blocks("a", 20)
+        h = computed_20_then_skipped(m)
         assert m.get_block_ids("a") == ([0, 0, 0, 0, 5],)
         assert m.block_pool.free_queue() == [6, 7, 8, 9, 10, 11, 4, 3, 2, 1]
         b = Request("b", tokens(0, 23), h)
