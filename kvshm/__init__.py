@@ -16,20 +16,9 @@ The public API, re-exported here (pinned by tests/test_public_api.py):
 """
 
 from kvshm.core.check import CheckReport, check_segment
-from kvshm.core.errors import (
-    BadMultimodalInput,
-    ConfigError,
-    DuplicateRequest,
-    InvalidArgument,
-    KvshmError,
-    NoFreeBlocks,
-    PoolRefused,
-    RequestTableFull,
-    RequestTooLong,
-    SegmentError,
-    ShmSpaceError,
-    UnknownRequest,
-)
+from kvshm.core.errors import (BadMultimodalInput, ConfigError, DuplicateRequest,
+    InvalidArgument, KvshmError, NoFreeBlocks, PoolRefused, RequestTableFull,
+    RequestTooLong, SegmentError, ShmSpaceError, UnknownRequest)
 from kvshm.core.extra_keys import MultiModalFeature
 from kvshm.core.hashing import BlockHasher, hash_fingerprint
 from kvshm.core.manager import KVCacheManager

@@ -25,14 +25,8 @@ import time
 
 from bench_common import add_json_argument, write_results
 from kvshm.service.events import EventCollector
-from service_load import (
-    Workers,
-    ab_rounds,
-    ab_rows,
-    ab_workload,
-    add_ab_arguments,
-    start_coordinator,
-)
+from service_load import (Workers, ab_rounds, ab_rows, ab_workload, add_ab_arguments,
+    start_coordinator)
 
 TARGET = 0.9
 

@@ -14,16 +14,8 @@ import msgspec
 import pytest
 
 from kvshm.config import preset_config
-from kvshm.workers.channel import (
-    Done,
-    Failed,
-    Progress,
-    Ready,
-    WorkerSpec,
-    WorkloadSpec,
-    emit,
-    read_report,
-)
+from kvshm.workers.channel import (Done, Failed, Progress, Ready, WorkerSpec, WorkloadSpec,
+    emit, read_report)
 from kvshm.workers.engine_types import EngineOptions, EngineStats
 from kvshm.workers.launcher import Launch, LaunchOptions, RunResult, WorkerResult, make_plan
 from kvshm.workers.traffic import SyntheticSpec

@@ -10,18 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from kvshm import (
-    ChunkedLocalSpec,
-    ConfigError,
-    CrossAttentionSpec,
-    FullSpec,
-    KVCacheManager,
-    MambaSpec,
-    MLASpec,
-    PoolConfig,
-    SinkFullSpec,
-    SlidingWindowSpec,
-)
+from kvshm import (ChunkedLocalSpec, ConfigError, CrossAttentionSpec, FullSpec,
+    KVCacheManager, MambaSpec, MLASpec, PoolConfig, SinkFullSpec, SlidingWindowSpec)
 
 TRACES = Path(__file__).parent / "data" / "conformance" / "traces"
 

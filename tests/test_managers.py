@@ -11,19 +11,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvshm import (
-    ChunkedLocalSpec,
-    ConfigError,
-    CrossAttentionSpec,
-    FullSpec,
-    KVCacheManager,
-    MambaSpec,
-    MLASpec,
-    PoolConfig,
-    Request,
-    SinkFullSpec,
-    SlidingWindowSpec,
-)
+from kvshm import (ChunkedLocalSpec, ConfigError, CrossAttentionSpec, FullSpec,
+    KVCacheManager, MambaSpec, MLASpec, PoolConfig, Request, SinkFullSpec,
+    SlidingWindowSpec)
 
 import helpers
 from helpers import assert_clean, ids, lookup, step, tokens

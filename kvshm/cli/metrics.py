@@ -179,24 +179,19 @@ def families(pool: str, st: dict, m: dict):
     yield ops
     yield op_errors
     yield latency
-    tenant_families = {
-        "blocks": GaugeMetricFamily("kvshm_tenant_blocks", "Blocks a tenant's requests "
-                                    "hold", labels=["pool", "tenant"]),
-        "quota": GaugeMetricFamily("kvshm_tenant_quota_blocks", "A tenant's quota in blocks "
-                                   "(tenants with one)", labels=["pool", "tenant"]),
-        "query_tokens": CounterMetricFamily("kvshm_tenant_prefix_cache_queries",
-                                            "A tenant's prefix-cache queries, in tokens",
-                                            labels=["pool", "tenant"]),
-        "hit_tokens": CounterMetricFamily("kvshm_tenant_prefix_cache_hits",
-                                          "A tenant's prefix-cache hits, in tokens",
-                                          labels=["pool", "tenant"]),
-        "quota_refusals": CounterMetricFamily("kvshm_tenant_quota_refusals",
-                                              "A tenant's allocations refused for its quota",
-                                              labels=["pool", "tenant"]),
-        "preemptions": CounterMetricFamily("kvshm_tenant_preemptions",
-                                           "A tenant's preemptions",
-                                           labels=["pool", "tenant"]),
-    }
+    tenant_families = {key: family(name, doc, labels=["pool", "tenant"])
+                       for key, family, name, doc in (
+        ("blocks", G, "kvshm_tenant_blocks", "Blocks a tenant's requests hold"),
+        ("quota", G, "kvshm_tenant_quota_blocks", "A tenant's quota in blocks (tenants with "
+         "one)"),
+        ("query_tokens", C, "kvshm_tenant_prefix_cache_queries",
+         "A tenant's prefix-cache queries, in tokens"),
+        ("hit_tokens", C, "kvshm_tenant_prefix_cache_hits",
+         "A tenant's prefix-cache hits, in tokens"),
+        ("quota_refusals", C, "kvshm_tenant_quota_refusals",
+         "A tenant's allocations refused for its quota"),
+        ("preemptions", C, "kvshm_tenant_preemptions", "A tenant's preemptions"),
+    )}
     for tenant, t in sorted(m["tenants"].items()):
         for key, fam in tenant_families.items():
             if key == "quota" and t["quota"] < 0:

@@ -12,17 +12,8 @@ from collections.abc import Sequence
 
 from kvshm.core.block_pool import NULL_BLOCK, BlockPool
 from kvshm.core.request import Request
-from kvshm.core.specs import (
-    ChunkedLocalSpec,
-    CrossAttentionSpec,
-    FullSpec,
-    GroupSpec,
-    MambaSpec,
-    MLASpec,
-    PoolConfig,
-    SinkFullSpec,
-    SlidingWindowSpec,
-)
+from kvshm.core.specs import (ChunkedLocalSpec, CrossAttentionSpec, FullSpec, GroupSpec,
+    MambaSpec, MLASpec, PoolConfig, SinkFullSpec, SlidingWindowSpec)
 from kvshm.core.table import RequestTable
 
 

@@ -4,20 +4,9 @@ exceptions (`raise_reply`, `batch_results`)."""
 
 from __future__ import annotations
 
-from kvshm.core.errors import (
-    BadMultimodalInput,
-    ConfigError,
-    DuplicateRequest,
-    InvalidArgument,
-    KvshmError,
-    NoFreeBlocks,
-    RequestTableFull,
-    RequestTooLong,
-    SegmentError,
-    ShmSpaceError,
-    StaleHits,
-    UnknownRequest,
-)
+from kvshm.core.errors import (BadMultimodalInput, ConfigError, DuplicateRequest,
+    InvalidArgument, KvshmError, NoFreeBlocks, RequestTableFull, RequestTooLong,
+    SegmentError, ShmSpaceError, StaleHits, UnknownRequest)
 from kvshm.ops.protocol import Error
 
 

@@ -10,17 +10,8 @@ from vllm.v1 import kv_cache_interface as vi
 
 from kvshm.core.errors import ConfigError
 from kvshm.core.hashing import VLLM_HASH_ALGORITHMS
-from kvshm.core.specs import (
-    ChunkedLocalSpec,
-    CrossAttentionSpec,
-    FullSpec,
-    GroupSpec,
-    MambaSpec,
-    MLASpec,
-    PoolConfig,
-    SinkFullSpec,
-    SlidingWindowSpec,
-)
+from kvshm.core.specs import (ChunkedLocalSpec, CrossAttentionSpec, FullSpec, GroupSpec,
+    MambaSpec, MLASpec, PoolConfig, SinkFullSpec, SlidingWindowSpec)
 
 # vLLM's prefix_caching_hash_algo -> the kvshm algorithm reproducing it.
 KVSHM_ALGORITHM = {v: k for k, v in VLLM_HASH_ALGORITHMS.items()}
