@@ -4,7 +4,7 @@ The public API, re-exported here (pinned by tests/test_public_api.py):
 
 - `PoolConfig` and the group specs (`FullSpec`, `MLASpec`, `SinkFullSpec`,
   `SlidingWindowSpec`, `ChunkedLocalSpec`, `MambaSpec`, `CrossAttentionSpec`),
-  `KVShape` (the KV arena's shape; the arena itself is `kvshm.arena.KVArena`,
+  `KVShape` (the KV arena's shape; the arena itself is `kvshm.pool.arena.KVArena`,
   not imported here so that `import kvshm` needs no numpy)
 - `KVCacheManager` (embedded mode), `Request`, `BlockHasher`,
   `MultiModalFeature` (a prompt's multimodal item, for `Request` and the
@@ -21,9 +21,7 @@ from kvshm.core.errors import (BadMultimodalInput, ConfigError, DuplicateRequest
     RequestTooLong, SegmentError, ShmSpaceError, UnknownRequest)
 from kvshm.core.extra_keys import MultiModalFeature
 from kvshm.core.hashing import BlockHasher, hash_fingerprint
-from kvshm.core.manager import KVCacheManager
 from kvshm.core.request import Request
-from kvshm.core.segment import PoolSegment
 from kvshm.core.specs import (
     ChunkedLocalSpec,
     CrossAttentionSpec,
@@ -35,6 +33,8 @@ from kvshm.core.specs import (
     SinkFullSpec,
     SlidingWindowSpec,
 )
+from kvshm.pool.manager import KVCacheManager
+from kvshm.pool.segment import PoolSegment
 # The clients and the service's errors load on first use (PEP 562), so that
 # `import kvshm` stays quick for processes that start often (every
 # coordinator and worker begins with it).

@@ -6,8 +6,8 @@ directory (`read_model`: the KV-cache shape its config.json gives, as vLLM
 derives it; `model_pool_config`); its size as a block count or a KV memory budget; optionally other
 block hashing.  `PoolSource` holds those choices and `resolve_config` turns
 them into a `PoolConfig` (kvshm/core/specs.py: the type and its rules; every
-PoolConfig checks itself when built).  `pool_bytes` is what a pool takes in
-/dev/shm (its segment and its KV arena).
+PoolConfig checks itself when built).  What a pool takes in /dev/shm is
+`kvshm.pool.lifecycle.pool_bytes`.
 
 Each preset gives the KV-cache groups and the model's KV shape (layers per
 group, KV heads, head size, dtype), so that a memory budget becomes a block
@@ -24,10 +24,8 @@ from pathlib import Path
 
 import msgspec
 
-from kvshm.arena import arena_bytes
 from kvshm.core.errors import ConfigError
 from kvshm.core.hashing import DEFAULT_HASH_SEED, HASH_ALGORITHMS
-from kvshm.core.layout import Layout
 from kvshm.core.specs import (
     CrossAttentionSpec,
     FullSpec,
@@ -305,12 +303,6 @@ def _check_holds_a_request(config: PoolConfig, budget: int) -> None:
         "kv_memory", f"{budget:,} bytes of KV hold {config.num_blocks:,} blocks; one "
         f"{config.max_model_len:,}-token request needs {need:,} (with the null block): "
         f"give --kv-memory {want}M or more")
-
-
-def pool_bytes(config: PoolConfig) -> int:
-    """Bytes of /dev/shm a pool of `config` takes: its segment and, with a
-    `kv` shape, its KV arena."""
-    return Layout(config).size + arena_bytes(config)
 
 
 def _bytes(size: str | int) -> int:

@@ -21,10 +21,10 @@ from typing import Any
 
 import msgspec
 
-from kvshm.core.manager import KVCacheManager
 from kvshm.core.specs import CrossAttentionSpec, PoolConfig
 from kvshm.ops import protocol as p
 from kvshm.ops.executor import OpExecutor
+from kvshm.pool.manager import KVCacheManager
 
 FREE_HEAD_LEN = 64
 

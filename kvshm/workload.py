@@ -47,10 +47,10 @@ from collections import deque
 from collections.abc import Generator
 from dataclasses import dataclass, field
 
-from kvshm.core.manager import KVCacheManager
 from kvshm.ops import protocol as p
 from kvshm.ops.errors import raise_reply
 from kvshm.ops.executor import OpExecutor
+from kvshm.pool.manager import KVCacheManager
 
 
 @dataclass(frozen=True)

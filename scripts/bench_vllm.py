@@ -57,7 +57,7 @@ from pathlib import Path
 from bench_common import RESULTS
 from kvshm.config import model_pool_config
 from kvshm.core.metrics import percentile, read_metrics
-from kvshm.core.segment import PoolSegment
+from kvshm.pool.segment import PoolSegment
 from kvshm.service.process import CoordinatorProcess
 from kvshm.vllm.model import write_tiny_model
 from kvshm.workers.topology import format_cpulist, plan

@@ -47,11 +47,12 @@ import sys
 import time
 from dataclasses import dataclass
 
-from kvshm.config import pool_bytes, preset_config
+from kvshm.config import preset_config
 from kvshm.core.errors import KvshmError
-from kvshm.core.shm import check_shm_space
 from kvshm.core.specs import KV_DTYPES, KVShape, PoolConfig
-from kvshm.numa import POLICIES, LibNuma, mapped_pages, place
+from kvshm.pool.lifecycle import pool_bytes
+from kvshm.pool.numa import POLICIES, LibNuma, mapped_pages, place
+from kvshm.pool.shm import check_shm_space
 from kvshm.workers.channel import WorkloadSpec
 from kvshm.workers.engine_types import EngineOptions, EngineStats
 from kvshm.workers.launcher import Launch, LaunchOptions, RunResult

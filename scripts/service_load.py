@@ -29,12 +29,12 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from kvshm.core.manager import KVCacheManager
 from kvshm.core.metrics import percentile
 from kvshm.core.specs import PoolConfig
 from kvshm.ops import protocol as p
 from kvshm.ops.executor import OpExecutor
 from kvshm.ops.protocol import encode_frame
+from kvshm.pool.manager import KVCacheManager
 from kvshm.service.process import CoordinatorProcess
 from kvshm.service.sync_client import connect_sync
 from kvshm.workload import EmbeddedBackend, WorkloadSpec, drive

@@ -22,8 +22,8 @@ from pathlib import Path
 import psutil
 
 from kvshm.core.metrics import percentile
-from kvshm.core.segment import PoolSegment
-from kvshm.numa import mapped_pages
+from kvshm.pool.numa import mapped_pages
+from kvshm.pool.segment import PoolSegment
 from kvshm.service.process import die_with_parent
 from kvshm.workers.topology import Node, format_cpulist
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kvshm.core.segment import SHM_DIR
+from kvshm.pool.segment import SHM_DIR
 from kvshm.service.server import Coordinator
 
 # The simulator's checks and raw_wire's are plain asserts: keep pytest's
@@ -32,7 +32,7 @@ def no_leaked_segments():
 def pool_name():
     """A fresh pool name; its segments (pool and arena) are removed after
     the test, whatever it left."""
-    from kvshm.core.segment import remove_segment, segment_info
+    from kvshm.pool.segment import remove_segment, segment_info
     name = f"kvshm-test-{secrets.token_hex(5)}"
     yield name
     for n in (name, f"{name}.kv"):

@@ -8,7 +8,7 @@ import time
 
 from kvshm import BlockHasher, FullSpec, KVCacheManager, PoolConfig, Request
 from kvshm.core.check import check_segment
-from kvshm.core.segment import SHM_DIR, PoolSegment, segment_info
+from kvshm.pool.segment import SHM_DIR, PoolSegment, segment_info
 
 
 def make_config(groups=(FullSpec(4),), num_blocks: int = 10, **changes) -> PoolConfig:

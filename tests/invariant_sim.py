@@ -27,7 +27,7 @@ from kvshm import (
     SlidingWindowSpec,
     check_segment,
 )
-from kvshm.core.layout import FLAG_CACHED, FRAME_CACHE_STAMP_WORD, SEQ_WORD
+from kvshm.core.state import FLAG_CACHED, FRAME_CACHE_STAMP_WORD, SEQ_WORD
 
 MAX_SEQS = 10        # request-table slots of every test pool
 MAX_LIVE = 8         # live (waiting + running) requests the simulation keeps

@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 
 from helpers import make_config, tokens
-from kvshm.arena import ArenaLayout, KVArena, arena_bytes, arena_name, resolve_dtype
 from kvshm.core.errors import ConfigError, SegmentError, ShmSpaceError
-from kvshm.core.segment import SHM_DIR, list_segments, remove_segment
 from kvshm.core.specs import FullSpec, KVShape, PoolConfig, SlidingWindowSpec
 from kvshm.ops.errors import InvalidArgument, UnknownRequest
+from kvshm.pool.arena import ArenaLayout, KVArena, arena_bytes, arena_name, resolve_dtype
+from kvshm.pool.segment import SHM_DIR, list_segments, remove_segment
 from kvshm.service.client import connect
 
 SHAPE = KVShape(num_layers=2, num_kv_heads=2, head_size=8, dtype="float32")
@@ -145,8 +145,8 @@ def test_create_errors(monkeypatch):
 _CHILD = """
 import sys
 import numpy as np
-from kvshm.arena import KVArena
 from kvshm.core.specs import PoolConfig
+from kvshm.pool.arena import KVArena
 cfg = PoolConfig.from_json(sys.argv[2].encode())
 arena = KVArena.attach(sys.argv[1], cfg)
 block, value = int(sys.argv[3]), float(sys.argv[4])
@@ -177,7 +177,7 @@ def test_rm_removes_a_dead_coordinators_arena():
     cfg = kv_config()
     name = _name("stale")
     res = subprocess.run([sys.executable, "-c",
-                          "import sys; from kvshm.arena import KVArena; "
+                          "import sys; from kvshm.pool.arena import KVArena; "
                           "from kvshm.core.specs import PoolConfig; "
                           "KVArena.create(PoolConfig.from_json(sys.argv[1].encode()), sys.argv[2])",
                           cfg.to_json().decode(), name], capture_output=True, text=True, timeout=60)
@@ -222,7 +222,7 @@ async def test_coordinator_refuses_an_arena_dev_shm_cannot_hold(coordinator, mon
     import shutil
     from collections import namedtuple
     usage = namedtuple("usage", "total used free")
-    from kvshm.core.layout import Layout
+    from kvshm.pool.layout import Layout
     cfg = kv_config(num_blocks=4096)
     free = Layout(cfg).size + 4096   # room for the pool segment alone, not the arena too
     monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(1 << 30, 0, free))

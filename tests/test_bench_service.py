@@ -14,7 +14,7 @@ from pathlib import Path
 
 import psutil
 
-from kvshm.core.segment import SHM_DIR, segment_info
+from kvshm.pool.segment import SHM_DIR, segment_info
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "scripts" / "bench_service.py"

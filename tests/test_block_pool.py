@@ -134,7 +134,7 @@ def test_the_header_counts_blocks_allocated_and_evicted():
     """Pool churn in the segment header (kvshm stats): every block handed
     out, and every cached hash dropped, by reuse or evict_blocks; a reset
     is not an eviction, hits are not allocations."""
-    from kvshm.core.stats import read_stats
+    from kvshm.pool.stats import read_stats
     with KVCacheManager(make_config()) as m:
         seg = m.segment
 

@@ -28,7 +28,7 @@ from kvshm import (
     SlidingWindowSpec,
     check_segment,
 )
-from kvshm.core.layout import FLAG_CACHED, FLAG_NULL, FLAG_SINK, SEQ_WORD, SLOT_META_FIELDS
+from kvshm.core.state import FLAG_CACHED, FLAG_NULL, FLAG_SINK, SEQ_WORD, SLOT_META_FIELDS
 from kvshm.replay import EmbeddedReplayer, differs, load_trace, replay_trace, trace_pool_config
 
 TRACES = Path(__file__).parent / "data" / "conformance" / "traces"

@@ -18,7 +18,7 @@ import kvshm
 from kvshm import FullSpec, KVCacheManager, PoolConfig, Request
 from kvshm.cli import main
 from kvshm.core import fmt
-from kvshm.core.segment import SHM_DIR, PoolSegment
+from kvshm.pool.segment import SHM_DIR, PoolSegment
 
 TRACES = Path(__file__).parent / "data" / "conformance" / "traces"
 ONE = TRACES / "full16-tiny-chat-s1000.jsonl.gz"

@@ -14,9 +14,9 @@ import msgspec
 import msgspec.inspect as mi
 import pytest
 
-from kvshm.config import pool_bytes
 from kvshm.core.errors import ConfigError
 from kvshm.core.specs import GroupSpec, KVShape, PoolConfig
+from kvshm.pool.lifecycle import pool_bytes
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "config.md"

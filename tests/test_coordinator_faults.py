@@ -17,10 +17,10 @@ import pytest
 
 from helpers import make_config, tokens
 from kvshm.core.errors import KvshmError
-from kvshm.core.segment import SHM_DIR, remove_segment, segment_info
 from kvshm.ops import protocol as p
 from kvshm.ops.errors import ConnectionLost
 from kvshm.ops.protocol import encode_frame
+from kvshm.pool.segment import SHM_DIR, remove_segment, segment_info
 from kvshm.service.client import connect
 from kvshm.service.process import CoordinatorProcess
 from raw_wire import CONFIG, Raw
@@ -95,7 +95,7 @@ def test_a_coordinator_that_must_be_killed_leaves_no_segments():
         dead.kill()
         assert dead.stop() == -signal.SIGKILL
     assert os.path.exists(f"{SHM_DIR}/{dead.name}")     # adoptable
-    from kvshm.service.adoption import remove_pool
+    from kvshm.pool.lifecycle import remove_pool
     remove_pool(dead.name)
 
 

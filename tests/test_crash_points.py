@@ -26,8 +26,8 @@ from helpers import make_config, tokens
 from kvshm import FullSpec, SlidingWindowSpec
 from kvshm.core.check import check_segment
 from kvshm.core.faults import CRASH_EXIT_CODE, ENV, CrashSpec
-from kvshm.core.segment import PoolSegment, remove_segment, segment_info
 from kvshm.ops import protocol as p
+from kvshm.pool.segment import PoolSegment, remove_segment, segment_info
 from kvshm.service.client import connect
 from kvshm.service.process import CoordinatorProcess
 from kvshm.service.resume import Reconnect
@@ -193,18 +193,20 @@ def _trace_reachable() -> list[tuple[str, str]]:
     current: list[str] = []
     saved = []
 
-    def wrap(cls, name, fn):
+    # Points are named as a crash spec names them: by the table's key
+    # (the core's manager is "KVCacheManager", as users know it).
+    def wrap(cls_name, name, fn):
         @functools.wraps(fn)
         def w(*a, **k):
             if current:
-                seen.add((current[-1], f"{cls.__name__}.{name}"))
+                seen.add((current[-1], f"{cls_name}.{name}"))
             return fn(*a, **k)
         return w
 
-    def arm(cls, name, fn):
+    def arm(cls_name, name, fn):
         @functools.wraps(fn)
         def w(*a, **k):
-            current.append(f"{cls.__name__}.{name}")
+            current.append(f"{cls_name}.{name}")
             try:
                 return fn(*a, **k)
             finally:
@@ -215,12 +217,12 @@ def _trace_reachable() -> list[tuple[str, str]]:
         cls = CLASSES[cls_name]
         for m in methods:
             saved.append((cls, m, getattr(cls, m)))
-            setattr(cls, m, wrap(cls, m, getattr(cls, m)))
+            setattr(cls, m, wrap(cls_name, m, getattr(cls, m)))
     for a in ARMS:
         cls_name, m = a.split(".")
         cls = CLASSES[cls_name]
         saved.append((cls, m, getattr(cls, m)))
-        setattr(cls, m, arm(cls, m, getattr(cls, m)))
+        setattr(cls, m, arm(cls_name, m, getattr(cls, m)))
     try:
         async def run():
             import tempfile

@@ -62,7 +62,7 @@ import psutil
 import pytest
 
 from helpers import kvshm_segments, leftovers
-from kvshm.core.segment import remove_segment
+from kvshm.pool.segment import remove_segment
 
 REPO = Path(__file__).resolve().parent.parent
 SLOW = os.environ.get("KVSHM_SLOW_EXAMPLES") == "1"

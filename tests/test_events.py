@@ -24,9 +24,9 @@ from kvshm.core.events import (
     GroupBlockStored,
     external_hash,
 )
-from kvshm.core.manager import KVCacheManager
 from kvshm.core.request import Request
 from kvshm.core.specs import FullSpec, SlidingWindowSpec
+from kvshm.pool.manager import KVCacheManager
 from kvshm.replay import (
     events_trace,
     first_event_difference,

@@ -58,7 +58,7 @@ from kvshm import (
     SlidingWindowSpec,
     check_segment,
 )
-from kvshm.core.layout import SEQ_WORD
+from kvshm.core.state import SEQ_WORD
 
 STRESS = int(os.environ.get("KVSHM_STRESS_EXAMPLES", "0") or 0)
 HYP_EXAMPLES = STRESS or 8

@@ -11,9 +11,9 @@ from helpers import make_config, tokens
 from kvshm import FullSpec, KVCacheManager, Request, SlidingWindowSpec
 from kvshm.core.check import check_segment
 from kvshm.core.errors import SegmentError
-from kvshm.core.layout import UNDO_LEN_WORD, frame_bound
 from kvshm.core.recovery import needs_repair, repair
-from kvshm.core.segment import PoolSegment
+from kvshm.core.state import UNDO_LEN_WORD, frame_bound
+from kvshm.pool.segment import PoolSegment
 
 CFG = make_config(groups=(FullSpec(4), SlidingWindowSpec(4, 8)), num_blocks=40,
                   max_num_seqs=8)

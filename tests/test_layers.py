@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # Floor of each room, lowest first (docs/layers.md shows the same picture).
 ROOMS = {
     "kvshm.core": 0,                                          # the allocator engine
-    "kvshm.arena": 1, "kvshm.numa": 1, "kvshm.config": 1,     # the pool layer
+    "kvshm.pool": 1, "kvshm.config": 1,                       # shared memory; configs
     "kvshm.ops": 2, "kvshm.replay": 2, "kvshm.workload": 2,   # sans-IO ops and harnesses
     "kvshm.service": 3,                                       # the transport
     "kvshm": 4,                                               # the public API (__init__)

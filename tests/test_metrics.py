@@ -14,9 +14,9 @@ import pytest
 
 from helpers import make_config, tokens
 from kvshm.core import metrics as m
-from kvshm.core.shm import SHM_DIR
 from kvshm.ops import protocol as p
 from kvshm.ops.errors import ERROR_CLASSES
+from kvshm.pool.shm import SHM_DIR
 from kvshm.service.process import CoordinatorProcess
 from kvshm.service.resume import Reconnect
 from kvshm.service.sync_client import connect_sync

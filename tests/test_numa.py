@@ -1,4 +1,4 @@
-"""NUMA page placement (kvshm/numa.py): a policy set on one mapping of a
+"""NUMA page placement (kvshm/pool/numa.py): a policy set on one mapping of a
 shared-memory object is what another process's mapping follows, as
 numa_maps shows; the errors for a missing libnuma, a bad policy, range or
 node; reading numa_maps."""
@@ -12,8 +12,8 @@ import sys
 
 import pytest
 
-from kvshm.core.shm import Shm
-from kvshm.numa import LibNuma, PlacementError, mapped_pages, parse_numa_maps, place
+from kvshm.pool.numa import LibNuma, PlacementError, mapped_pages, parse_numa_maps, place
+from kvshm.pool.shm import Shm
 
 HAVE_NUMA = (ctypes.util.find_library("numa") is not None
              and os.path.exists("/proc/self/numa_maps"))
@@ -36,7 +36,7 @@ def test_a_policy_set_here_is_the_objects_for_every_process(shm, policy, shown):
     place(shm.buf, policy, [0] if policy != "first-touch" else [])
     path = f"/dev/shm/{shm.name}"
     assert mapped_pages("self", path).policies == [shown]
-    code = ("import sys; from kvshm.core.shm import Shm; from kvshm.numa import mapped_pages\n"
+    code = ("import sys; from kvshm.pool.shm import Shm; from kvshm.pool.numa import mapped_pages\n"
             f"t = Shm.open({shm.name!r}); t.buf[:] = bytes(len(t.buf))\n"
             f"p = mapped_pages('self', {path!r}); print(p.policies[0], sum(p.pages.values()))\n"
             "t.buf.release(); t.close()")

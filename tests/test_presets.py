@@ -10,16 +10,16 @@ import sys
 
 import pytest
 
-from kvshm.core.errors import ConfigError
-from kvshm.core.specs import CrossAttentionSpec
 from kvshm.config import (
     PRESETS,
     PoolSource,
     parse_size,
-    pool_bytes,
     preset_config,
     resolve_config,
 )
+from kvshm.core.errors import ConfigError
+from kvshm.core.specs import CrossAttentionSpec
+from kvshm.pool.lifecycle import pool_bytes
 
 
 @pytest.mark.parametrize("name", list(PRESETS))
@@ -202,8 +202,8 @@ def test_pool_source_from_command_line_arguments():
 
 
 def test_pool_bytes_is_what_the_pool_and_its_arena_take(pool_name):
-    from kvshm.arena import KVArena, arena_name
-    from kvshm.core.manager import KVCacheManager
+    from kvshm.pool.arena import KVArena, arena_name
+    from kvshm.pool.manager import KVCacheManager
     config = preset_config("tiny", num_blocks=64)
     with KVCacheManager(config, name=pool_name) as mgr:
         arena = KVArena.create(config, arena_name(pool_name))

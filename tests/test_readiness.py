@@ -15,10 +15,10 @@ import textwrap
 from helpers import check_pool, make_config, tokens
 from kvshm import KVCacheManager, Request
 from kvshm.core.check import check_segment
-from kvshm.core.layout import FLAG_CACHED, FLAG_PENDING
-from kvshm.core.segment import PoolSegment
+from kvshm.core.state import FLAG_CACHED, FLAG_PENDING
 from kvshm.ops import protocol as p
 from kvshm.ops.executor import OpExecutor
+from kvshm.pool.segment import PoolSegment
 from kvshm.service.client import connect
 from kvshm.service.process import CoordinatorProcess
 from kvshm.service.resume import Reconnect

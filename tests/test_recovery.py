@@ -16,9 +16,9 @@ import pytest
 
 from helpers import check_pool, make_config, tokens, until
 from kvshm.core.check import check_segment
-from kvshm.core.segment import PoolSegment, segment_info
 from kvshm.ops import protocol as p
 from kvshm.ops.errors import ConnectionLost, Forbidden
+from kvshm.pool.segment import PoolSegment, segment_info
 from kvshm.service.client import connect, open_wire
 from kvshm.service.process import CoordinatorProcess
 from kvshm.service.resume import Reconnect

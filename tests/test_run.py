@@ -285,8 +285,8 @@ def test_connect_to_a_pool_workers_cannot_use_is_refused():
 
 def test_a_coordinator_that_dies_mid_run_and_stays_dead_is_reported(tmp_path):
     """Nobody restarts it: the workers give up after --reconnect-timeout."""
-    from kvshm.arena import arena_name
-    from kvshm.core.segment import remove_segment
+    from kvshm.pool.arena import arena_name
+    from kvshm.pool.segment import remove_segment
     before = kvshm_segments()
     out = tmp_path / "out.json"
     with CoordinatorProcess(preset_config("tiny", num_blocks=2048)) as coord:
@@ -483,7 +483,7 @@ def _wait_for_work(pool: str, resumed: int = 0, timeout: float = 60.0) -> None:
     requests of sessions still to resume, so its request count alone does
     not show that they came back)."""
     from kvshm.core.metrics import read_metrics
-    from kvshm.core.segment import PoolSegment
+    from kvshm.pool.segment import PoolSegment
     deadline = time.monotonic() + timeout
     with PoolSegment.attach(pool) as seg:
         while (seg.get("num_requests") < 2

@@ -11,18 +11,19 @@ import sys
 import pytest
 
 from kvshm import FullSpec, KVCacheManager, PoolConfig, PoolSegment, Request
-from kvshm.core import segment as segmod
 from kvshm.core.errors import SegmentError, ShmSpaceError
-from kvshm.core.layout import FLAG_NULL, Layout
-from kvshm.core.segment import list_segments, remove_segment
-from kvshm.core.stats import read_stats
+from kvshm.core.state import FLAG_NULL, HEADER_WORDS, SEQ_WORD
+from kvshm.pool.layout import HEADER_FIELDS, MAGIC, Layout
+from kvshm.pool.segment import list_segments, remove_segment
+from kvshm.pool.shm import SHM_DIR
+from kvshm.pool.stats import read_stats
 
 CFG = PoolConfig(num_blocks=16, hash_block_size=4, max_model_len=32,
                  groups=(FullSpec(4),), max_num_seqs=4)
 
 
 def shm_path(name: str) -> str:
-    return os.path.join(segmod.SHM_DIR, name)
+    return os.path.join(SHM_DIR, name)
 
 
 def test_create_initialises_the_free_queue_and_null_block():
@@ -32,7 +33,7 @@ def test_create_initialises_the_free_queue_and_null_block():
         assert m.block_pool.free_queue() == list(range(1, 16))
         assert seg.flags[0] == FLAG_NULL
         assert seg.get("num_free_blocks") == 15
-        assert seg.get("magic") == segmod.MAGIC
+        assert seg.get("magic") == MAGIC
         assert oct(os.stat(shm_path("kvshm-test-init")).st_mode & 0o777) == "0o600"
     assert not os.path.exists(shm_path("kvshm-test-init"))
 
@@ -118,13 +119,21 @@ def test_layout_per_block_bytes_and_alignment():
     assert all(off % 64 == 0 for off, _ in lay.offsets.values())
 
 
+def test_the_cores_header_words_are_where_the_layout_puts_them():
+    # core/state.py names the header words the allocator keeps by index;
+    # pool/layout.py lays the header out in bytes. The two must agree.
+    for field, word in HEADER_WORDS.items():
+        offset, fmt = HEADER_FIELDS[field]
+        assert (offset, fmt) == (word * 8, "Q"), field
+
+
 def test_mutation_counter_is_even_between_operations():
     with KVCacheManager(CFG) as m:
-        seq = m.segment.words[segmod.SEQ_WORD]
+        seq = m.segment.words[SEQ_WORD]
         assert seq % 2 == 0
         m.allocate_slots(Request("r", [1, 2, 3], m.make_hasher()), 3)
-        assert m.segment.words[segmod.SEQ_WORD] > seq
-        assert m.segment.words[segmod.SEQ_WORD] % 2 == 0
+        assert m.segment.words[SEQ_WORD] > seq
+        assert m.segment.words[SEQ_WORD] % 2 == 0
 
 
 def test_ls_and_rm_handle_stale_segments():
@@ -166,7 +175,7 @@ def test_consistent_read_takes_one_attempt_when_nothing_mutates():
 
 def test_consistent_read_retries_while_the_counter_changes_or_is_odd():
     with KVCacheManager(CFG) as m:
-        seg, words, seq = m.segment, m.segment.words, segmod.SEQ_WORD
+        seg, words, seq = m.segment, m.segment.words, SEQ_WORD
         calls = []
 
         def read():

@@ -24,11 +24,11 @@ from helpers import ids, make_config, tokens, until
 from kvshm import FullSpec, KVCacheManager, Request, SlidingWindowSpec
 from kvshm.core.check import check_segment
 from kvshm.core.errors import DuplicateRequest, InvalidArgument, UnknownRequest
-from kvshm.core.segment import SHM_DIR
-from kvshm.core.stats import read_stats
 from kvshm.ops import protocol as p
 from kvshm.ops.errors import ConnectionLost, Forbidden, HashMismatch, NotOwner
 from kvshm.ops.executor import OpExecutor
+from kvshm.pool.segment import SHM_DIR
+from kvshm.pool.stats import read_stats
 from kvshm.replay import expand_paths, load_trace
 from kvshm.service.client import connect
 from kvshm.service.handshake import default_socket_path

@@ -9,7 +9,7 @@ import shutil
 import pytest
 
 from kvshm.core.errors import SegmentError, ShmSpaceError
-from kvshm.core.shm import (
+from kvshm.pool.shm import (
     SHM_DIR,
     Shm,
     check_shm_space,

@@ -12,7 +12,6 @@ import pytest
 
 from helpers import make_config, tokens
 from kvshm.core.errors import InvalidArgument, UnknownRequest
-from kvshm.core.segment import remove_segment
 from kvshm.ops import protocol as p
 from kvshm.ops.errors import (
     ConnectionClosed,
@@ -21,6 +20,7 @@ from kvshm.ops.errors import (
     RequestTimeout,
     ResumeFailed,
 )
+from kvshm.pool.segment import remove_segment
 from kvshm.service.process import CoordinatorProcess
 from kvshm.service.resume import Reconnect
 from kvshm.service.sync_client import connect_sync

@@ -140,8 +140,8 @@ def pool(model_dir, tmp_path):
 
 
 def pool_stats(proc) -> dict:
-    from kvshm.core.segment import PoolSegment
-    from kvshm.core.stats import read_stats
+    from kvshm.pool.segment import PoolSegment
+    from kvshm.pool.stats import read_stats
     seg = PoolSegment.attach(proc.name)
     try:
         return read_stats(seg)
@@ -150,9 +150,9 @@ def pool_stats(proc) -> dict:
 
 
 def test_engines_share_the_pool_the_prefix_cache_and_the_kv_bytes(model_dir, tmp_path, pool):
-    from kvshm.arena import KVArena, arena_name
-    from kvshm.core.layout import FLAG_CACHED
-    from kvshm.core.segment import PoolSegment
+    from kvshm.pool.arena import KVArena, arena_name
+    from kvshm.core.state import FLAG_CACHED
+    from kvshm.pool.segment import PoolSegment
     a_wl, b_wl = prefix_workloads(n_b=10)
     alone = start_engine(model_dir, b_wl, tmp_path, "alone", pool=None)
     a = run_engine(model_dir, a_wl, tmp_path, "a", pool=str(pool.socket),

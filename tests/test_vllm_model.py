@@ -11,10 +11,10 @@ import sys
 import numpy as np
 import pytest
 
-from kvshm.arena import ArenaLayout
 from kvshm.config import model_pool_config, read_model
 from kvshm.core.errors import ConfigError, SegmentError
 from kvshm.core.specs import FullSpec, KVShape, PoolConfig, SlidingWindowSpec, check_engine_hash_seed
+from kvshm.pool.arena import ArenaLayout
 from kvshm.vllm.model import SMALL_LLAMA, TINY_LLAMA, write_tiny_model
 from kvshm.vllm.weights import WEIGHTS_FILE, read_safetensors_header, to_bfloat16_bits
 from kvshm.workers.engine import UnsupportedModel, check_supported

@@ -17,6 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # workers/ is not an installed package
     sys.path.insert(0, str(ROOT))
 
+from kvshm.pool.arena import resolve_dtype  # noqa: E402
 from kvshm.workers import attention as wa  # noqa: E402
 from kvshm.workers import model as wm  # noqa: E402
 from kvshm.workers.attention import (  # noqa: E402
@@ -26,7 +27,6 @@ from kvshm.workers.attention import (  # noqa: E402
     read_kv,
     write_kv,
 )
-from kvshm.arena import resolve_dtype  # noqa: E402
 from kvshm.workers.model import Context, TinyModel  # noqa: E402
 
 try:

@@ -28,7 +28,6 @@ from kvshm.service.process import die_with_parent
 from kvshm.workers.channel import (Done, Failed, Progress, Ready, WorkerSpec, WorkloadSpec,
     read_report)
 from kvshm.workers.engine_types import EngineOptions, EngineStats
-from kvshm.workers.turns import TurnBoard
 from kvshm.workers.topology import (
     Node,
     Plan,
@@ -37,6 +36,7 @@ from kvshm.workers.topology import (
     pin,
     plan,
 )
+from kvshm.workers.turns import TurnBoard
 
 
 TIMELINE_PERIOD = 0.5   # seconds between the samples of RunResult.timeline
@@ -213,7 +213,7 @@ class Launch:
         or otherwise) with the same command line: it adopts its pool, and the
         workers' clients resume.  Each restart is checked from outside."""
         from kvshm.core.check import check_segment
-        from kvshm.core.segment import PoolSegment
+        from kvshm.pool.segment import PoolSegment
         while True:
             await asyncio.sleep(0.02)
             for c in self.coordinators:
@@ -273,7 +273,7 @@ class Launch:
         of its segment."""
         from kvshm.core.check import check_segment
         from kvshm.core.errors import KvshmError
-        from kvshm.core.segment import PoolSegment
+        from kvshm.pool.segment import PoolSegment
         from kvshm.service.client import connect
         reports = []
         for sock in dict.fromkeys(self.sockets):
@@ -518,8 +518,8 @@ class Launch:
                 f"preempt {t.preemptions} | mismatches {t.integrity_failures}  ")
 
     def _pool_usage(self) -> str:
-        from kvshm.core.segment import PoolSegment
-        from kvshm.core.stats import read_stats
+        from kvshm.pool.segment import PoolSegment
+        from kvshm.pool.stats import read_stats
         names = [c.name for c in self.coordinators] or self.pool_names
         if not names:
             return "?"

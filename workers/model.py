@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvshm.arena import resolve_dtype
 from kvshm.core.specs import KV_DTYPES
+from kvshm.pool.arena import resolve_dtype
 
 # Why the K/V of a token are the same bits whatever chunking, process or BLAS
 # threading computed them:

@@ -17,12 +17,12 @@ from kvshm.config import (
     PRESETS,
     PoolSource,
     add_pool_arguments,
-    pool_bytes,
     resolve_config,
 )
 from kvshm.core.errors import KvshmError
 from kvshm.core.hashing import DEFAULT_HASH_ALGORITHM, DEFAULT_HASH_SEED
 from kvshm.core.metrics import percentile
+from kvshm.pool.lifecycle import pool_bytes
 from kvshm.workers.channel import WorkloadSpec
 from kvshm.workers.compute import MODELS
 from kvshm.workers.engine_types import EngineOptions
@@ -201,8 +201,8 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
                            seed=args.seed, model=args.model,
                            decoder=preset.decoder if preset else None, **checks)
     if config is not None:
-        from kvshm.arena import resolve_dtype
-        from kvshm.core.shm import check_shm_space
+        from kvshm.pool.arena import resolve_dtype
+        from kvshm.pool.shm import check_shm_space
         from kvshm.workers.engine import check_supported
         check_supported(config, args.model)
         resolve_dtype(config.kv.dtype)   # e.g. bfloat16 without ml_dtypes: say so now
@@ -323,7 +323,7 @@ def model_profile(config, opts: LaunchOptions) -> dict | None:
     (transformer.decoder_profile), or None for another model."""
     if opts.engine.model != "transformer" or config is None or config.kv is None:
         return None
-    from kvshm.arena import resolve_dtype
+    from kvshm.pool.arena import resolve_dtype
     from kvshm.workers.transformer import decoder_profile
     return decoder_profile(config.kv, opts.engine.decoder,
                            resolve_dtype(config.kv.dtype).itemsize)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvshm.core.shm import Shm, create_shm, open_shm
+from kvshm.pool.shm import Shm, create_shm, open_shm
 
 SLOTS = 1 << 16
 MAX_WORKERS = 4096

@@ -8,8 +8,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from kvshm.core.errors import SegmentError
-from kvshm.core.segment import PoolSegment
-from kvshm.core.shm import SHM_DIR, valid_name
+from kvshm.pool.segment import PoolSegment
+from kvshm.pool.shm import SHM_DIR, valid_name
 
 DEFAULT_POOL = "kvshm"
 

@@ -11,8 +11,8 @@ from pathlib import Path
 from kvshm.cli import replay
 from kvshm.core import fmt
 from kvshm.core.check import check_segment
-from kvshm.core.manager import KVCacheManager
 from kvshm.core.specs import FullSpec, PoolConfig
+from kvshm.pool.manager import KVCacheManager
 from kvshm.workload import WorkloadSpec, run_workload
 
 HELP = "run a synthetic workload on an embedded pool"

@@ -6,7 +6,7 @@ import argparse
 import json
 
 from kvshm.core import fmt
-from kvshm.core.segment import list_segments
+from kvshm.pool.segment import list_segments
 
 HELP = "list kvshm pool segments in /dev/shm"
 

@@ -1,7 +1,7 @@
 """Prometheus metrics of a pool, read from its segment (`kvshm metrics`).
 
 Every scrape copies the pool's counters out of shared memory
-(`kvshm.core.stats.read_stats`, `kvshm.core.metrics.read_metrics`): no socket,
+(`kvshm.pool.stats.read_stats`, `kvshm.core.metrics.read_metrics`): no socket,
 nothing asked of the coordinator.  The exporter outlives coordinator
 restarts (the counters live in the segment) and reattaches when the pool is
 made anew; while there is no pool it exports `kvshm_pool_up 0` only.
@@ -26,8 +26,8 @@ import time
 from kvshm.cli.common import add_name_argument, segment_name
 from kvshm.core.errors import ConfigError, SegmentError
 from kvshm.core.metrics import LATENCY_BOUNDS_NS, read_metrics
-from kvshm.core.segment import SHM_DIR, PoolSegment
-from kvshm.core.stats import read_stats
+from kvshm.pool.segment import SHM_DIR, PoolSegment
+from kvshm.pool.stats import read_stats
 from kvshm.service.process import die_with_parent
 
 HELP = "serve a pool's Prometheus metrics, read from its segment (no socket)"

@@ -7,8 +7,8 @@ import sys
 
 from kvshm.cli.common import segment_name
 from kvshm.core.errors import KvshmError
-from kvshm.core.segment import list_segments, remove_segment, segment_info
-from kvshm.service.adoption import remove_pool
+from kvshm.pool.lifecycle import remove_pool
+from kvshm.pool.segment import list_segments, remove_segment, segment_info
 
 HELP = "remove pools (each with its KV arena) whose owner is dead"
 

@@ -7,7 +7,7 @@ import json
 
 from kvshm.cli.common import add_name_argument, attach_named
 from kvshm.core import fmt
-from kvshm.core.stats import read_stats
+from kvshm.pool.stats import read_stats
 
 HELP = "pool statistics, read from the segment directly"
 

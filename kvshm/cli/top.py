@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from kvshm.cli.common import add_name_argument, attach_named
 from kvshm.core import fmt
 from kvshm.core.metrics import quantile, read_metrics
-from kvshm.core.stats import read_stats
 from kvshm.ops.sessions import SessionTable, tenant_digest
+from kvshm.pool.stats import read_stats
 
 HELP = "a live view of a pool, read from its segment"
 

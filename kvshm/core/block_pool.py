@@ -30,25 +30,15 @@ from collections.abc import Iterable, Sequence
 from kvshm.core.errors import InvalidArgument, NoFreeBlocks
 from kvshm.core.events import EventLog
 from kvshm.core.hashing import HASH_SLOT_BYTES, digest_size
-from kvshm.core.segment import PoolSegment
-from kvshm.core.layout import (
-    ALLOCATED_WORD,
-    EVICTED_WORD,
-    FLAG_CACHED,
-    FLAG_NULL,
-    FLAG_PENDING,
-    FLAG_SINK,
-    FREE_WORD as _FREE,
-    SEQ_WORD as _SEQ,
-    STATS_WORD,
-)
+from kvshm.core.state import (ALLOCATED_WORD, EVICTED_WORD, FLAG_CACHED, FLAG_NULL,
+    FLAG_PENDING, FLAG_SINK, FREE_WORD as _FREE, SEQ_WORD as _SEQ, STATS_WORD, SegmentState)
 
 NULL_BLOCK = 0
 _H = HASH_SLOT_BYTES
 
 
 class BlockPool:
-    """Allocation, freeing and caching of block ids over a `PoolSegment`.
+    """Allocation, freeing and caching of block ids over a `SegmentState`.
 
     Args:
         segment: a freshly created segment (`attach=False`), or one that holds
@@ -62,7 +52,7 @@ class BlockPool:
         hash_to_block(group_id): one group's prefix-cache index.
     """
 
-    def __init__(self, segment: PoolSegment, *, attach: bool = False) -> None:
+    def __init__(self, segment: SegmentState, *, attach: bool = False) -> None:
         cfg = segment.config
         self.segment = segment
         self.num_blocks = cfg.num_blocks
@@ -134,7 +124,7 @@ class BlockPool:
 
     def publish(self) -> None:
         """Write the free count to the segment header and close the mutation
-        (the counterpart of `PoolSegment.begin_mutation`)."""
+        (the counterpart of `SegmentState.begin_mutation`)."""
         w = self._words
         w[_FREE] = self.num_free_blocks
         w[_SEQ] = (w[_SEQ] | 1) + 1

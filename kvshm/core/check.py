@@ -13,15 +13,8 @@ from dataclasses import dataclass, field
 
 from kvshm.core import fmt
 from kvshm.core.hashing import HASH_SLOT_BYTES
-from kvshm.core.segment import PoolSegment
-from kvshm.core.layout import (
-    FLAG_CACHED,
-    FLAG_NULL,
-    FLAG_PENDING,
-    FLAG_SINK,
-    RID_BYTES,
-    SLOT_META_FIELDS,
-)
+from kvshm.core.state import (FLAG_CACHED, FLAG_NULL, FLAG_PENDING, FLAG_SINK, RID_BYTES,
+    SLOT_META_FIELDS, SegmentState)
 from kvshm.core.table import NO_ENTRY
 
 MAX_PROBLEMS = 50
@@ -62,14 +55,14 @@ class _Snapshot:
     NAMES = ("ref_cnt", "next_delta", "prev_delta", "free_stamp", "cache_stamp",
              "hash_group", "flags", "hashes", "slot_meta", "slot_rid", "slot_counts")
 
-    def __init__(self, seg: PoolSegment, timeout: float) -> None:
+    def __init__(self, seg: SegmentState, timeout: float) -> None:
         # A copy still torn after `timeout` s (a writer died mid-mutation, or
         # is very busy) is checked as it is.
         _, consistent = seg.read_consistent(lambda: self._copy(seg), timeout,
                                             pause=0.001, torn_ok=True)
         self.torn = not consistent
 
-    def _copy(self, seg: PoolSegment) -> None:
+    def _copy(self, seg: SegmentState) -> None:
         for name in self.NAMES:
             view = getattr(seg, name)
             copy = array(view.format)
@@ -83,7 +76,7 @@ class _Snapshot:
         self.counters = {f: seg.get(f) for f in ("num_free_blocks", "num_requests")}
 
 
-def check_segment(seg: PoolSegment, pool=None, timeout: float = 2.0) -> CheckReport:
+def check_segment(seg: SegmentState, pool=None, timeout: float = 2.0) -> CheckReport:
     """Verify every invariant of the pool in `seg`; with `pool` (the owning
     BlockPool), also its hash index.  A copy torn by concurrent mutations is
     retried for up to `timeout` seconds, then checked as it is (and reported

@@ -20,6 +20,11 @@ import functools
 import os
 from dataclasses import dataclass
 
+from kvshm.core.block_pool import BlockPool
+from kvshm.core.journal import Journal
+from kvshm.core.manager import KVCacheManagerCore
+from kvshm.core.table import RequestTable
+
 CRASH_EXIT_CODE = 86
 ENV = "KVSHM_CRASH"
 
@@ -65,11 +70,10 @@ def _resolve(classes: dict[str, type], target: str) -> tuple[type, str]:
 
 def core_classes() -> dict[str, type]:
     """The core's classes that crash points may name."""
-    from kvshm.core.block_pool import BlockPool
-    from kvshm.core.journal import Journal
-    from kvshm.core.manager import KVCacheManager
-    from kvshm.core.table import RequestTable
-    return {c.__name__: c for c in (BlockPool, RequestTable, Journal, KVCacheManager)}
+    # A spec names the manager as users know it: kvshm.KVCacheManager only
+    # adds how its segment is made, so its methods are the core's.
+    return {"KVCacheManager": KVCacheManagerCore,
+            **{c.__name__: c for c in (BlockPool, RequestTable, Journal)}}
 
 
 def install(spec: CrashSpec, classes: dict[str, type]) -> None:

@@ -13,7 +13,7 @@ during the frame is recognised by its cache stamp (>= `frame_cache_stamp`),
 so caching needs no entries either.
 
 Each entry is saved at most once per frame (the first touch of a row, slot,
-or counter), so one frame never needs more than `frame_bound()` words (layout.py, which
+or counter), so one frame never needs more than `frame_bound()` words (state.py, which
 also holds the entry kinds and sizes below).
 
 Entries (int64 words):
@@ -31,18 +31,8 @@ from __future__ import annotations
 
 from array import array
 
-from kvshm.core.layout import (
-    FRAME,
-    FRAME_CACHE_STAMP_WORD,
-    META,
-    PREFIX,
-    RID_BYTES,
-    ROW,
-    SESSION,
-    SLOT_META_FIELDS,
-    STATS,
-    UNDO_LEN_WORD,
-)
+from kvshm.core.state import (FRAME, FRAME_CACHE_STAMP_WORD, META, PREFIX, RID_BYTES, ROW,
+    SESSION, SLOT_META_FIELDS, STATS, UNDO_LEN_WORD)
 
 
 class Journal:

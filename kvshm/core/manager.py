@@ -1,9 +1,12 @@
-"""`KVCacheManager`: the scheduler-facing facade of the allocator core.
+"""`KVCacheManagerCore`: the scheduler-facing facade of the allocator core,
+on a segment it is given.
 
 Same API and semantics as vLLM v1's KVCacheManager, with block ids (ints)
-instead of block objects, state in a shared-memory `PoolSegment`, and typed
-errors (raised before anything changes) instead of asserts for caller
-mistakes.
+instead of block objects, state in a segment of flat arrays (core/state.py
+says what they mean), and typed errors (raised before anything changes)
+instead of asserts for caller mistakes.  `kvshm.KVCacheManager`
+(kvshm/pool/manager.py) is this class on a shared-memory segment that it
+creates or adopts.
 """
 
 from __future__ import annotations
@@ -17,24 +20,22 @@ from kvshm.core.errors import InvalidArgument, RequestTooLong, StaleHits
 from kvshm.core.events import Event, EventLog
 from kvshm.core.groups import BlockIds, any_blocks, make_group_logic
 from kvshm.core.hashing import BlockHasher
-from kvshm.core.layout import FLAG_PENDING, SEQ_WORD
 from kvshm.core.recovery import RepairReport, repair
 from kvshm.core.request import Request
-from kvshm.core.segment import PoolSegment
-from kvshm.core.specs import PoolConfig
+from kvshm.core.state import FLAG_PENDING, SEQ_WORD, SegmentState
 from kvshm.core.table import RequestTable
 
 
-class KVCacheManager:
-    """The allocator for one pool.
+class KVCacheManagerCore:
+    """The allocator for one pool, on its segment.
 
     Args:
-        config: the pool config.
-        segment: an existing segment to adopt (its config wins; `config` may
-            then be None): a frame its last writer left cut off is rolled
+        segment: the pool's state (its config is the pool's).  Closed by
+            `close()`, and unlinked then if the segment's `owner` is set.
+        adopt: the segment holds a pool another process wrote (not one just
+            initialised): a frame its last writer left cut off is rolled
             back and the derived arrays rebuilt first (`repair_report` says
-            what was done).  Without one, a new segment named `name` is
-            created and owned: `close()` unlinks it.
+            what was done), and this process becomes its writer.
         kv_events: record KV-cache events (core/events.py) for
             `take_events()`.
         track_ready: cache blocks ahead of their K/V as pending
@@ -44,16 +45,8 @@ class KVCacheManager:
             (one engine, as vLLM) a block is a hit for all once cached.
     """
 
-    def __init__(self, config: PoolConfig | None = None, *, name: str | None = None,
-                 segment: PoolSegment | None = None, kv_events: bool = False,
+    def __init__(self, segment: SegmentState, *, adopt: bool, kv_events: bool = False,
                  track_ready: bool = False) -> None:
-        if segment is None:
-            if config is None:
-                raise InvalidArgument("a config or a segment is required")
-            segment = PoolSegment.create(config, name)
-            attach = False
-        else:
-            attach = True
         self.segment = segment
         self.config = config = segment.config
         self.max_model_len = config.max_model_len
@@ -61,14 +54,14 @@ class KVCacheManager:
         self.num_kv_cache_groups = len(config.groups)
         self.repair_report: RepairReport | None = None
         try:
-            if attach:
+            if adopt:
                 self.repair_report = repair(segment)
             segment.begin_mutation()
-            self.block_pool = BlockPool(segment, attach=attach)
+            self.block_pool = BlockPool(segment, attach=adopt)
             self.block_pool.track_ready = track_ready
             self.table = RequestTable(segment)
             self.groups = make_group_logic(config, self.block_pool, self.table)
-            if attach:
+            if adopt:
                 self._adopt_table()
                 self._adopt_pending()
                 # This process is the pool's writer from now on.
@@ -167,7 +160,7 @@ class KVCacheManager:
         if seg.owner:
             seg.unlink()
 
-    def __enter__(self) -> "KVCacheManager":
+    def __enter__(self) -> "KVCacheManagerCore":
         return self
 
     def __exit__(self, *exc) -> None:

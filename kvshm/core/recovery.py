@@ -18,34 +18,11 @@ from array import array
 from dataclasses import dataclass, field
 
 from kvshm.core.errors import SegmentError
-from kvshm.core.layout import (
-    FLAG_CACHED,
-    FLAG_NULL,
-    FLAG_SINK,
-    FRAME,
-    FRAME_CACHE_STAMP_WORD,
-    FREE_WORD,
-    META,
-    META_WORDS,
-    NUM_REQUESTS_WORD,
-    PREFIX,
-    PREFIX_HEAD,
-    RID_BYTES,
-    ROW,
-    ROW_WORDS,
-    SEQ_WORD,
-    SESSION,
-    SESSION_ENTRY_WORDS,
-    SESSION_LAST_SEQ,
-    SESSION_SLOTS,
-    SESSION_WORDS,
-    SLOT_META_FIELDS,
-    STATS,
-    STATS_WORD,
-    STATS_WORDS,
-    UNDO_LEN_WORD,
-)
-from kvshm.core.segment import PoolSegment
+from kvshm.core.state import (FLAG_CACHED, FLAG_NULL, FLAG_SINK, FRAME,
+    FRAME_CACHE_STAMP_WORD, FREE_WORD, META, META_WORDS, NUM_REQUESTS_WORD, PREFIX,
+    PREFIX_HEAD, RID_BYTES, ROW, ROW_WORDS, SEQ_WORD, SESSION, SESSION_ENTRY_WORDS,
+    SESSION_LAST_SEQ, SESSION_SLOTS, SESSION_WORDS, SLOT_META_FIELDS, STATS, STATS_WORD,
+    STATS_WORDS, UNDO_LEN_WORD, SegmentState)
 from kvshm.core.table import NO_ENTRY
 
 
@@ -68,13 +45,13 @@ class RepairReport:
                 f"{self.ref_counts_fixed} ref counts, rebuilt the free queue")
 
 
-def needs_repair(seg: PoolSegment) -> bool:
+def needs_repair(seg: SegmentState) -> bool:
     """Whether the segment's last writer died inside a frame or a mutation."""
     words = seg.words
     return bool(words[SEQ_WORD] & 1 or words[UNDO_LEN_WORD])
 
 
-def repair(seg: PoolSegment) -> RepairReport:
+def repair(seg: SegmentState) -> RepairReport:
     """Roll back a cut-off frame and rebuild the derived arrays, in place.
     Only the process that now owns the pool may call this (no other writer
     may be running).  Raises SegmentError if the undo log is unreadable."""
@@ -102,7 +79,7 @@ def repair(seg: PoolSegment) -> RepairReport:
 
 
 # -- the undo log --------------------------------------------------------------------
-def _entry_size(seg: PoolSegment, log, off: int, end: int) -> int:
+def _entry_size(seg: SegmentState, log, off: int, end: int) -> int:
     kind = log[off]
     if kind == FRAME:
         return 1
@@ -124,7 +101,7 @@ def _entry_size(seg: PoolSegment, log, off: int, end: int) -> int:
                        f"at word {off}")
 
 
-def _parse_undo(seg: PoolSegment, length: int) -> list[tuple[int, int, int]]:
+def _parse_undo(seg: SegmentState, length: int) -> list[tuple[int, int, int]]:
     log = seg.undo
     if not 0 <= length <= len(log):
         raise SegmentError(f"segment {seg.name!r}: undo log length {length} is outside "
@@ -142,7 +119,7 @@ def _parse_undo(seg: PoolSegment, length: int) -> list[tuple[int, int, int]]:
     return out
 
 
-def _validate(seg: PoolSegment, log, off: int) -> None:
+def _validate(seg: SegmentState, log, off: int) -> None:
     cfg = seg.config
     kind = log[off]
     bad = None
@@ -161,7 +138,7 @@ def _validate(seg: PoolSegment, log, off: int) -> None:
                            f"{bad}, out of range")
 
 
-def _undo(seg: PoolSegment, kind: int, off: int, size: int) -> None:
+def _undo(seg: SegmentState, kind: int, off: int, size: int) -> None:
     log = seg.undo
     ngroups = len(seg.config.groups)
     if kind == ROW:
@@ -186,7 +163,7 @@ def _undo(seg: PoolSegment, kind: int, off: int, size: int) -> None:
 
 
 # -- derived state ---------------------------------------------------------------------
-def _uncache_since(seg: PoolSegment, stamp: int) -> int:
+def _uncache_since(seg: SegmentState, stamp: int) -> int:
     flags, stamps = seg.flags, seg.cache_stamp
     n = 0
     for b in range(seg.config.num_blocks):
@@ -196,7 +173,7 @@ def _uncache_since(seg: PoolSegment, stamp: int) -> int:
     return n
 
 
-def table_references(seg: PoolSegment) -> list[int]:
+def table_references(seg: SegmentState) -> list[int]:
     """Per block, how many request-table entries hold it."""
     cfg = seg.config
     ngroups = len(cfg.groups)
@@ -217,7 +194,7 @@ def table_references(seg: PoolSegment) -> list[int]:
     return counted
 
 
-def _rebuild_ref_counts(seg: PoolSegment) -> int:
+def _rebuild_ref_counts(seg: SegmentState) -> int:
     counted = table_references(seg)
     ref, flags = seg.ref_cnt, seg.flags
     fixed = 0
@@ -230,7 +207,7 @@ def _rebuild_ref_counts(seg: PoolSegment) -> int:
     return fixed
 
 
-def _rebuild_free_queue(seg: PoolSegment) -> None:
+def _rebuild_free_queue(seg: SegmentState) -> None:
     n = seg.config.num_blocks
     ref, flags, stamp = seg.ref_cnt, seg.flags, seg.free_stamp
     free = [b for b in range(n) if not ref[b] and not flags[b] & (FLAG_NULL | FLAG_SINK)]

@@ -112,7 +112,7 @@ class KVShape(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     vLLM's grouping of hybrid models), `num_kv_heads` heads of `head_size`
     elements of `dtype`.
 
-    `layout` orders the arena's data (kvshm/arena.py): "blocks" (a block's
+    `layout` orders the arena's data (kvshm/pool/arena.py): "blocks" (a block's
     K/V of every layer together: kvshm's workers) or "layers" (one
     contiguous [K|V, block, head, token, dim] tensor per layer: vLLM's CPU
     attention, so engines use the arena as their KV-cache tensors)."""
@@ -136,7 +136,7 @@ class PoolConfig(msgspec.Struct, frozen=True, kw_only=True):
     request slots in the shared-memory request table; max_encoder_len bounds
     the cross-attention allocation of one request (defaults to
     max_model_len).  `kv`, when set, shapes the KV data arena that the
-    coordinator creates beside the pool segment (kvshm/arena.py).
+    coordinator creates beside the pool segment (kvshm/pool/arena.py).
     """
 
     num_blocks: int

@@ -12,8 +12,7 @@ from __future__ import annotations
 from array import array
 
 from kvshm.core.errors import InvalidArgument, RequestTableFull
-from kvshm.core.layout import NUM_REQUESTS_WORD, RID_BYTES, SLOT_META_FIELDS
-from kvshm.core.segment import PoolSegment
+from kvshm.core.state import NUM_REQUESTS_WORD, RID_BYTES, SLOT_META_FIELDS, SegmentState
 
 NO_ENTRY = -1
 
@@ -21,7 +20,7 @@ NO_ENTRY = -1
 class RequestTable:
     """Slot assignment and write-through of per-group block lists."""
 
-    def __init__(self, segment: PoolSegment) -> None:
+    def __init__(self, segment: SegmentState) -> None:
         cfg = segment.config
         self.segment = segment
         self.capacity = cfg.max_num_seqs

@@ -32,7 +32,6 @@ from kvshm.core.errors import (
     StaleHits,
     UnknownRequest,
 )
-from kvshm.core.manager import KVCacheManager
 from kvshm.core.metrics import (
     FIRST_BOUND_BITS,
     LAST_BUCKET,
@@ -50,6 +49,7 @@ from kvshm.ops.owner import Owner, ReqState
 from kvshm.ops.protocol import encode_frame
 from kvshm.ops.sessions import SessionTable
 from kvshm.ops.tenants import TenantBook, check_request_id, unscoped
+from kvshm.pool.manager import KVCacheManager
 
 log = logging.getLogger("kvshm.coordinator")
 

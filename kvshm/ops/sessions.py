@@ -26,9 +26,9 @@ import hmac
 from array import array
 from dataclasses import dataclass
 
-from kvshm.core.segment import PoolSegment
+from kvshm.pool.segment import PoolSegment
 
-from kvshm.core.layout import REPLY_BYTES, SESSION_LAST_SEQ, SESSION_SLOTS, SESSION_WORDS
+from kvshm.core.state import REPLY_BYTES, SESSION_LAST_SEQ, SESSION_SLOTS, SESSION_WORDS
 
 FLAG_ADMIN = 1
 # Seconds a restarted coordinator keeps the requests of sessions that have

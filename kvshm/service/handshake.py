@@ -24,10 +24,10 @@ from kvshm.core.hashing import (
     BlockHasher,
     hash_fingerprint,
 )
-from kvshm.core.shm import valid_name
 from kvshm.core.specs import PoolConfig
 from kvshm.ops import protocol as p
 from kvshm.ops.errors import Forbidden, ProtocolError, raise_reply
+from kvshm.pool.shm import valid_name
 
 
 def default_socket_path(name: str) -> Path:
@@ -108,9 +108,9 @@ class SessionInfo:
         return self.config.block_hasher()
 
     def attach_arena(self):
-        """Map the pool's KV data arena (a `kvshm.arena.KVArena`; close it
+        """Map the pool's KV data arena (a `kvshm.pool.arena.KVArena`; close it
         when done).  Raises SegmentError if the pool has none."""
-        from kvshm.arena import KVArena   # numpy: only for callers that map the arena
+        from kvshm.pool.arena import KVArena   # numpy: only for callers that map the arena
         if not self.arena_segment:
             raise SegmentError("this pool has no KV arena (its config has no kv shape)")
         return KVArena.attach(self.arena_segment, self.config)

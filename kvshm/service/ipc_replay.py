@@ -19,10 +19,10 @@ import time
 from typing import Any
 
 from kvshm.core.check import CheckReport, check_segment
-from kvshm.core.segment import PoolSegment
 from kvshm.core.specs import PoolConfig
-from kvshm.core.stats import read_stats
 from kvshm.ops import protocol as p
+from kvshm.pool.segment import PoolSegment
+from kvshm.pool.stats import read_stats
 from kvshm.replay import Mismatch, TraceTranslator, check_reply, trace_pool_config
 from kvshm.service.client import Client, connect
 from kvshm.service.loop import run_async

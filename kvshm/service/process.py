@@ -13,7 +13,7 @@ import tempfile
 from pathlib import Path
 
 from kvshm.core.errors import SegmentError
-from kvshm.service.adoption import remove_pool
+from kvshm.pool.lifecycle import remove_pool
 
 _PR_SET_PDEATHSIG = 1
 

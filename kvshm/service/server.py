@@ -46,7 +46,7 @@ from kvshm.ops.owner import Owner
 from kvshm.ops.protocol import encode_frame
 from kvshm.ops.sessions import DEFAULT_RESUME_GRACE, SessionTable
 from kvshm.ops.tenants import tenant_name_problem
-from kvshm.service.adoption import adopt_pool, create_pool
+from kvshm.pool.lifecycle import adopt_pool, create_pool
 from kvshm.service.events import EventPublisher, KVEventsConfig
 from kvshm.service.framing import MAX_FRAME_BYTES, FrameReader
 from kvshm.service.handshake import admin_token_path
@@ -445,9 +445,9 @@ async def serve(config: PoolConfig, *, name: str, socket_path: str | Path,
     import gc
     import signal
 
-    from kvshm.arena import arena_name
-    from kvshm.core.segment import segment_info
-    from kvshm.service.adoption import remove_pool
+    from kvshm.pool.arena import arena_name
+    from kvshm.pool.segment import segment_info
+    from kvshm.pool.lifecycle import remove_pool
 
     info = segment_info(name)
     if info is not None and info["alive"]:

@@ -20,8 +20,8 @@ from typing import Protocol
 
 from kvshm.core.errors import ConfigError, PoolRefused
 from kvshm.core.hashing import BlockHasher, VLLM_HASH_ALGORITHMS
-from kvshm.core.manager import KVCacheManager
 from kvshm.core.specs import PoolConfig, is_pythonhashseed
+from kvshm.pool.manager import KVCacheManager
 
 log = logging.getLogger("kvshm.vllm")
 

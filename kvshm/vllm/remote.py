@@ -39,11 +39,11 @@ import time
 
 from kvshm.core.errors import StaleHits
 from kvshm.core.hashing import HASH_SLOT_BYTES
-from kvshm.core.layout import FLAG_CACHED
-from kvshm.core.segment import PoolSegment
 from kvshm.core.specs import CrossAttentionSpec, FullSpec, MLASpec, PoolConfig
+from kvshm.core.state import FLAG_CACHED
 from kvshm.ops import protocol as p
 from kvshm.ops.errors import Forbidden
+from kvshm.pool.segment import PoolSegment
 from kvshm.service.sync_client import SyncClient
 
 log = logging.getLogger("kvshm.vllm")

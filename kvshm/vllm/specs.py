@@ -129,7 +129,7 @@ def engine_differences(pool: PoolConfig, vllm_config) -> list[str]:
 def arena_differences(pool: PoolConfig, kv_cache_config: vi.KVCacheConfig) -> list[str]:
     """Whether the engine's KV-cache tensors are the pool arena's per-layer
     regions: same block count, layers, heads, head size, dtype and bytes."""
-    from kvshm.arena import ArenaLayout
+    from kvshm.pool.arena import ArenaLayout
     kv = pool.kv
     if kv is None or kv.layout != "layers":
         return ["the pool has no KV arena laid out as vLLM's per-layer tensors"]

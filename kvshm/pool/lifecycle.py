@@ -16,11 +16,12 @@ from dataclasses import dataclass, field
 
 from kvshm.core.check import CheckReport, check_segment
 from kvshm.core.errors import SegmentError
-from kvshm.core.manager import KVCacheManager
 from kvshm.core.recovery import RepairReport, repair
-from kvshm.core.segment import PoolSegment, remove_segment, segment_info
-from kvshm.core.shm import check_shm_space, lock_segment
 from kvshm.core.specs import PoolConfig
+from kvshm.pool.layout import Layout
+from kvshm.pool.manager import KVCacheManager
+from kvshm.pool.segment import PoolSegment, remove_segment, segment_info
+from kvshm.pool.shm import check_shm_space, lock_segment
 
 
 @dataclass
@@ -74,12 +75,18 @@ def fresh_hint(name: str) -> str:
             f"them with `kvshm rm {name}`")
 
 
+def pool_bytes(config: PoolConfig) -> int:
+    """Bytes of /dev/shm a pool of `config` takes: its segment and, with a
+    `kv` shape, its KV arena."""
+    from kvshm.pool.arena import arena_bytes   # loaded on use (numpy), as below
+    return Layout(config).size + arena_bytes(config)
+
+
 def create_pool(config: PoolConfig, name: str) -> OpenPool:
     """A new pool named `name` (and its arena when the config has a KV
     shape); both must fit in /dev/shm.  Raises ShmSpaceError, SegmentError."""
     # Loaded on use (numpy): `kvshm rm` and `kvshm ls` need no arena mapped.
-    from kvshm.arena import KVArena, arena_name
-    from kvshm.config import pool_bytes
+    from kvshm.pool.arena import KVArena, arena_name
     check_shm_space(pool_bytes(config))
     mgr = KVCacheManager(config, name=name, track_ready=True)
     try:
@@ -101,7 +108,7 @@ def adopt_pool(config: PoolConfig, name: str) -> OpenPool:
     """Take over pool `name` left by a dead coordinator.  Raises
     SegmentError (locked by a live coordinator, another config, the arena
     missing, a state repair cannot make consistent), leaving it untouched."""
-    from kvshm.arena import KVArena, arena_name   # loaded on use (numpy), as above
+    from kvshm.pool.arena import KVArena, arena_name   # loaded on use (numpy), as above
     lock = lock_segment(name)
     seg = arena = None
     try:
@@ -151,7 +158,7 @@ def remove_pool(name: str, *, force: bool = False) -> list[str]:
     """Remove pool `name` and its KV arena as one unit (refused while their
     owner lives unless `force`); returns the names removed.  Raises
     SegmentError when neither exists."""
-    from kvshm.arena import arena_name   # loaded on use (numpy): `kvshm rm` maps no arena
+    from kvshm.pool.arena import arena_name   # loaded on use (numpy): `kvshm rm` maps no arena
     names = [n for n in (name, arena_name(name)) if segment_info(n) is not None]
     if not names:
         raise SegmentError(f"no kvshm pool or arena named {name!r}")

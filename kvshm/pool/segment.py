@@ -28,24 +28,11 @@ from typing import TypeVar
 from kvshm.core.errors import SegmentError
 from kvshm.core.hashing import hash_fingerprint
 from kvshm.core.journal import Journal
-from kvshm.core.layout import (
-    ARENA_MAGIC,
-    COUNTERS,
-    COUNTERS_OFFSET,
-    COUNTER_FIELDS,
-    FORMATS,
-    HEADER_FIELDS,
-    HEADER_FIXED,
-    LAYOUT_VERSION,
-    Layout,
-    MAGIC,
-    RID_BYTES,
-    SEQ_WORD,
-    SLOT_META_FIELDS,
-    config_fingerprint,
-)
-from kvshm.core.shm import SHM_DIR, OwnedMapping, Shm, create_shm, open_shm, unlink_shm
 from kvshm.core.specs import PoolConfig
+from kvshm.core.state import RID_BYTES, SEQ_WORD, SLOT_META_FIELDS
+from kvshm.pool.layout import (ARENA_MAGIC, COUNTERS, COUNTERS_OFFSET, COUNTER_FIELDS,
+    FORMATS, HEADER_FIELDS, HEADER_FIXED, LAYOUT_VERSION, MAGIC, Layout, config_fingerprint)
+from kvshm.pool.shm import SHM_DIR, OwnedMapping, Shm, create_shm, open_shm, unlink_shm
 
 T = TypeVar("T")
 

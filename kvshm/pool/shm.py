@@ -1,7 +1,7 @@
 """POSIX shared memory under kvshm's segments: name rules, create / open / map
 / close / unlink, the /dev/shm space check and the single-writer lock.
 
-The pool segment (`segment.py`) and the KV arena (`kvshm/arena.py`) are both
+The pool segment (`segment.py`) and the KV arena (`arena.py`) are both
 a `Shm`; what their bytes mean is theirs.  No resource tracker: see `Shm`.
 """
 

@@ -6,7 +6,7 @@ Layout (native byte order):
 
     header   (4096 bytes) the pool header's leading fields (magic
              b"KVSHMKV\\0", layout version, header size, config fingerprint,
-             num_blocks, creator pid: see kvshm/core/segment.py) + the shape
+             num_blocks, creator pid: see layout.py) + the shape
     writer   int32[num_blocks]  who last wrote each block (a worker's tag;
              0 = never written): lets a worker tell its own prefix-cache
              hits from blocks another worker computed
@@ -38,9 +38,9 @@ import struct
 import numpy as np
 
 from kvshm.core.errors import ConfigError, SegmentError
-from kvshm.core.layout import ARENA_MAGIC, HEADER_FIELDS, config_fingerprint
-from kvshm.core.shm import OwnedMapping, Shm, create_shm, open_shm
 from kvshm.core.specs import KV_DTYPES, PoolConfig
+from kvshm.pool.layout import ARENA_MAGIC, HEADER_FIELDS, config_fingerprint
+from kvshm.pool.shm import OwnedMapping, Shm, create_shm, open_shm
 
 ARENA_LAYOUT_VERSION = 1
 HEADER_BYTES = 4096

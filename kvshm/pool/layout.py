@@ -1,9 +1,8 @@
-"""What lies where in a pool's shared-memory segment: the header's fields,
-the arrays and their offsets for a config (`Layout`), the block flags, the
-session records' sizes, and the format of the undo log (its entry kinds and
-sizes, and the most words one frame can journal).  The segment
-(segment.py) maps it, the journal (journal.py) writes the undo log, recovery
-(recovery.py) reads it back; this module only describes them.
+"""What lies where in a pool's shared-memory segment: the header's fields
+and the arrays and their offsets for a config (`Layout`).  What the state
+means (block flags, the header words the allocator keeps, the session
+records' sizes, the undo log's format) is kvshm/core/state.py; the segment
+(segment.py) maps this layout.
 
 Layout (every array 64-byte aligned, native byte order):
 
@@ -47,23 +46,15 @@ import struct
 from kvshm.core.hashing import HASH_SLOT_BYTES
 from kvshm.core.metrics import METRICS_WORDS
 from kvshm.core.specs import PoolConfig
+from kvshm.core.state import (REPLY_BYTES, RID_BYTES, SESSION_SLOTS, SESSION_WORDS,
+    SLOT_META_FIELDS, undo_words)
 
 MAGIC = b"KVSHMPL\0"
-# The KV data arena (kvshm/arena.py) shares the pool header's first fields
+# The KV data arena (arena.py) shares the pool header's first fields
 # (magic, layout version, header size, config fingerprint, num_blocks,
 # creator pid at the same offsets), so `segment_info` reads both kinds.
 ARENA_MAGIC = b"KVSHMKV\0"
 LAYOUT_VERSION = 4
-RID_BYTES = 64
-SLOT_META_FIELDS = 4  # rid_len, owner session, in_use, reserved
-
-FLAG_NULL = 1
-FLAG_CACHED = 2
-FLAG_SINK = 4
-# A cached block whose K/V its writer has not reported written yet
-# (core/block_pool.py, "readiness"); always together with FLAG_CACHED.
-FLAG_PENDING = 8
-
 # The pool header's fixed fields: name -> (offset, struct format).  The KV
 # arena writes the leading ones (up to coordinator_pid) at the same offsets.
 HEADER_FIELDS = {
@@ -105,33 +96,10 @@ COUNTER_FIELDS = ("num_free_blocks", "queries", "hits", "query_tokens", "hit_tok
                   "num_requests")
 COUNTERS = struct.Struct(f"{len(COUNTER_FIELDS)}Q")
 COUNTERS_OFFSET = HEADER_FIELDS["num_free_blocks"][0]
-FREE_WORD = COUNTERS_OFFSET // 8
-STATS_WORD = FREE_WORD + 1
-NUM_REQUESTS_WORD = FREE_WORD + 5
-SEQ_WORD = HEADER_FIELDS["mutation_seq"][0] // 8
-UNDO_LEN_WORD = HEADER_FIELDS["undo_len"][0] // 8
-FRAME_CACHE_STAMP_WORD = HEADER_FIELDS["frame_cache_stamp"][0] // 8
-ALLOCATED_WORD = HEADER_FIELDS["blocks_allocated"][0] // 8
-EVICTED_WORD = HEADER_FIELDS["blocks_evicted"][0] // 8
-
-# Session records of the coordinator (kvshm/ops/sessions.py gives the
-# words their meaning); each has room for its last two frame replies.
-SESSION_SLOTS = 256
-SESSION_WORDS = 16
-SESSION_LAST_SEQ = 1   # the word of a record the undo log restores
-REPLY_BYTES = 16384
 
 
 def align(n: int, to: int = 64) -> int:
     return -(-n // to) * to
-
-
-def undo_words(config: PoolConfig) -> int:
-    """Capacity of the undo log: the most one frame can journal (every
-    request row's counts and original ids, every slot's metadata, the
-    lookup counters and one session record; see journal.py)."""
-    return frame_bound(config.max_num_seqs,
-                       [config.row_capacity(g) for g in range(len(config.groups))])
 
 
 def config_fingerprint(config: PoolConfig) -> bytes:
@@ -186,20 +154,3 @@ FORMATS = {"ref_cnt": "i", "next_delta": "i", "prev_delta": "i", "free_stamp": "
             "cache_stamp": "q", "hash_group": "H", "flags": "B", "hashes": "B",
             "slot_meta": "i", "slot_rid": "B", "slot_counts": "i", "undo": "q",
             "sessions": "q", "replies": "B", "metrics": "q"}
-
-
-# -- the undo log's entries (journal.py writes them, recovery.py reads them) --
-FRAME, ROW, PREFIX, META, STATS, SESSION = 0, 1, 2, 3, 4, 5
-ROW_WORDS = 5
-PREFIX_HEAD = 4
-STATS_WORDS = 5
-SESSION_ENTRY_WORDS = 3
-# kind, slot, the metadata fields, the request-id bytes as words
-META_WORDS = 2 + SLOT_META_FIELDS + RID_BYTES // 8
-
-
-def frame_bound(num_slots: int, widths: list[int]) -> int:
-    """Words one frame can journal at most, for a table of `num_slots` rows
-    per group of the given widths."""
-    rows = num_slots * sum(ROW_WORDS + PREFIX_HEAD + w for w in widths)
-    return rows + num_slots * META_WORDS + STATS_WORDS + SESSION_ENTRY_WORDS + 1

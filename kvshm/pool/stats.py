@@ -5,10 +5,11 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 
-from kvshm.core.layout import COUNTER_FIELDS, FLAG_CACHED, FLAG_PENDING, SLOT_META_FIELDS
 from kvshm.core.metrics import read_metrics
-from kvshm.core.segment import PoolSegment, segment_info
+from kvshm.core.state import FLAG_CACHED, FLAG_PENDING, SLOT_META_FIELDS
 from kvshm.core.table import NO_ENTRY
+from kvshm.pool.layout import COUNTER_FIELDS
+from kvshm.pool.segment import PoolSegment, segment_info
 
 _CHURN_FIELDS = ("blocks_allocated", "blocks_evicted")
 
