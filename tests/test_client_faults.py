@@ -142,7 +142,7 @@ async def test_cancelled_and_timed_out_calls_leave_the_connection_in_sync(coordi
             else:
                 with pytest.raises(asyncio.CancelledError):
                     await t
-        assert not c._pending   # every reply, cancelled or not, was read
+        assert c.calls_in_flight == 0   # every reply, cancelled or not, was read
         assert await c.get_block_ids("a") == [[], []]
 
 

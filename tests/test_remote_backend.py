@@ -12,9 +12,10 @@ import pytest
 
 from helpers import make_config, tokens
 from kvshm.core.request import Request
+from kvshm.pool.segment import remove_segment
 from kvshm.service.process import CoordinatorProcess
 from kvshm.service.sync_client import connect_sync
-from kvshm.vllm.remote import RemoteBackend
+from kvshm.vllm.remote import PoolSessionLost, RemoteBackend
 
 CFG = make_config(num_blocks=64, max_num_seqs=16)
 
@@ -133,3 +134,45 @@ def test_a_waiting_request_computes_the_tokens_itself_at_its_deadline(proc):
         writer.free("w")
         b.client.close()
         quick.client.close()
+
+
+def test_the_backend_rides_through_a_restart_its_session_survives(proc):
+    """What the pool holds of each request is the client's mirror, restored
+    after a restart: the request goes on where it was."""
+    b = backend(proc)
+    req = VllmRequest("r", tokens(0, 10), b.client.make_hasher())
+    hits, n = b.get_computed_blocks(req)
+    assert allocate(b, req, hits, n) is not None
+    req.num_computed_tokens = 10
+    b.step_computed({"r": 10})
+    proc.kill()
+    proc.restart()
+    assert b.get_block_ids("r") == [[1, 2, 3]]     # from the backend's own block ids
+    b.free(req)                                     # its computed count goes first
+    assert b.client.stats().num_requests == 0 and len(b.client.requests) == 0
+    assert len(b.client.restarts) == 1
+    b.close()
+
+
+def test_a_session_lost_in_a_restart_stops_the_backend_for_good(proc, pool_name):
+    """A restarted coordinator that cannot give the session back has lost
+    the block tables the scheduler holds: the backend refuses every call
+    from then on instead of going on as a fresh session."""
+    b = backend(proc)
+    req = VllmRequest("r", tokens(0, 10), b.client.make_hasher())
+    hits, n = b.get_computed_blocks(req)
+    assert allocate(b, req, hits, n) is not None
+    proc.kill()
+    remove_segment(pool_name, force=True)
+    proc.restart()
+    other = VllmRequest("o", tokens(50, 60), b.client.make_hasher())
+    try:
+        with pytest.raises(PoolSessionLost, match="restart the engine"):
+            b.get_computed_blocks(other)
+        for later in (lambda: b.get_computed_blocks(other), lambda: allocate(b, req, None, 0),
+                      lambda: b.get_block_ids("r"), lambda: b.free(req)):
+            with pytest.raises(PoolSessionLost):
+                later()
+        assert b.client.stats().num_requests == 0     # nothing re-added behind its back
+    finally:
+        b.close()

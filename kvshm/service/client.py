@@ -7,15 +7,16 @@
         hits, n = await c.get_computed_blocks("r1")
         new = await c.allocate_slots("r1", len(tokens) - n, n, use_computed_blocks=True)
 
-`Client` has one method per operation of the protocol, `call` (one
-message), `batch` (several in one frame) and `close`; `open_wire` connects
-and handshakes.  Replies come back in order, so calls can be pipelined from
+`Client` has one awaitable method per operation of the protocol (written
+once for both clients, in client_core.py), `call` (one message), `batch`
+(several in one frame) and `close`; `open_wire` connects and handshakes.  Replies come back in order, so calls can be pipelined from
 several tasks.  A cancelled or timed-out call never leaves the connection
 half-read: its reply is read and discarded when it arrives.  The client
 survives a coordinator restart (see `connect(resume=...)` and
-kvshm/service/resume.py).  What it shares with the synchronous client
-(sync_client.py) is in handshake.py (the Hello, the Welcome, `SessionInfo`)
-and errors.py (`batch_results`).
+client_core.py).  What it shares with the synchronous client
+(sync_client.py) is in client_core.py (the operations, the reconnect
+schedule, the calls in flight and their settling), handshake.py (the Hello,
+the Welcome, `SessionInfo`) and resume.py (`Reconnect`, `RequestMirror`).
 """
 
 from __future__ import annotations
@@ -23,13 +24,10 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections import deque
-from collections.abc import Sequence
 
 import msgspec
 
 from kvshm.core.errors import KvshmError
-from kvshm.core.events import decode_events
 from kvshm.core.hashing import DEFAULT_HASH_ALGORITHM, DEFAULT_HASH_SEED
 from kvshm.ops import protocol as p
 from kvshm.ops.errors import (
@@ -37,17 +35,14 @@ from kvshm.ops.errors import (
     ConnectionLost,
     FrameTooLarge,
     ProtocolError,
-    ReplyLost,
     RequestTimeout,
-    ResumeFailed,
-    batch_results,
-    error_from_wire,
-    raise_reply,
 )
 from kvshm.ops.protocol import encode_frame
+from kvshm.service.client_core import (CONNECT_ERRORS, Backoff, Call, ClientSession,
+    check_restored, checked, resume_hello, shutdown_error)
 from kvshm.service.framing import REPLY_LIMIT_BYTES, FrameReader
-from kvshm.service.handshake import SessionInfo, check_welcome, make_hello, socket_path
-from kvshm.service.resume import Reconnect, RequestMirror
+from kvshm.service.handshake import check_welcome, make_hello, socket_path
+from kvshm.service.resume import Reconnect
 
 
 class _Wire(asyncio.Protocol):
@@ -110,38 +105,16 @@ class _Wire(asyncio.Protocol):
         self.writable = None
 
 
-class _Call:
-    """A frame sent (or to be sent again after a restart) awaiting its reply."""
-
-    __slots__ = ("fut", "msg", "frame", "seq")
-
-    def __init__(self, fut: asyncio.Future, msg, frame: bytearray) -> None:
-        self.fut = fut
-        self.msg = msg
-        self.frame = frame
-        self.seq = 0
-
-
-class Client(SessionInfo):
+class Client(ClientSession):
     """A session with the coordinator; make one with `connect()`."""
 
     def __init__(self, path, hello: p.Hello, wire: _Wire, welcome: p.Welcome,
                  reconnect: "Reconnect | None") -> None:
-        self.path = path
-        self._hello = hello
-        self.reconnect = reconnect
-        self.tenant = hello.tenant
-        self._pending: deque[_Call] = deque()
-        self._seq = 0                    # frames sent in this session
+        super().__init__(path, hello, welcome, reconnect)
         self._closed = False
         self._lost: Exception | None = None          # for good: no reconnecting
         self._resuming: asyncio.Task | None = None
         self._resumed: asyncio.Event = asyncio.Event()
-        self.requests = RequestMirror()
-        self.restarts: list[tuple[float, float]] = []   # (lost at, resumed at), monotonic
-        self.replies_lost = 0
-        self.resumed_requests = 0        # requests restored after restarts
-        self.take_welcome(welcome)
         self._attach(wire)
 
     def _attach(self, wire: _Wire) -> None:
@@ -170,19 +143,6 @@ class Client(SessionInfo):
         await self.close()
 
     # -- raw calls ------------------------------------------------------------------------
-    async def call(self, msg: msgspec.Struct, timeout: float | None = None):
-        """Send one message, return its reply struct (Error replies raise)."""
-        reply = await self.request(msg, timeout)
-        if reply.__class__ is p.Error:
-            raise_reply(reply)
-        return reply
-
-    async def batch(self, ops: Sequence[msgspec.Struct], timeout: float | None = None) -> list:
-        """Run `ops` in one frame, atomically with respect to other sessions.
-        Returns their replies; if one failed, raises its error with
-        `.results` (the replies before it) and `.index` set."""
-        return batch_results(await self.request(p.Batch(list(ops)), timeout))
-
     async def request(self, msg: msgspec.Struct, timeout: float | None = None):
         """Send one message and return its reply struct as it is (an `Error`
         reply is returned, not raised).  While the client reconnects after a
@@ -198,8 +158,8 @@ class Client(SessionInfo):
         if self._lost is not None:
             raise self._lost
         fut = asyncio.get_running_loop().create_future()
-        call = _Call(fut, msg, encode_frame(msg))
-        self._pending.append(call)
+        call = Call(msg, fut)
+        self._flight.add(call)
         if self._wire.lost is None and self._resumed.is_set():
             self._write(call)
         if timeout is None:
@@ -209,23 +169,25 @@ class Client(SessionInfo):
         except asyncio.TimeoutError:
             raise RequestTimeout(f"no reply within {timeout}s") from None
 
-    def _write(self, call: _Call) -> None:
-        self._seq += 1
-        call.seq = self._seq
-        self._wire.transport.write(call.frame)
+    def _op(self, msg, timeout, answer):
+        return self._answer(msg, timeout, answer)
+
+    async def _answer(self, msg, timeout, answer):
+        return answer(checked(await self.request(msg, timeout)))
+
+    def _write(self, call: Call) -> None:
+        self._wire.transport.write(self._flight.number(call))
 
     def _on_reply(self, msg) -> None:
         if msg.__class__ is p.Shutdown:   # a clean stop: nothing will come back
-            self._give_up(ConnectionLost(f"the coordinator shut down ({msg.reason})"))
+            self._give_up(shutdown_error(msg))
             return
-        call = self._pending.popleft()
-        self.requests.apply(call.msg, msg)
-        if not call.fut.done():  # cancelled or timed-out calls just drop their reply
-            call.fut.set_result(msg)
+        _deliver(self._flight.answered(msg))
 
     def _give_up(self, err: Exception) -> None:
         self._lost = err
-        self._give_up_pending(err)
+        for call in self._flight.fail_all(err):
+            _deliver(call)
         self._resumed.set()
 
     def _on_lost(self, wire: _Wire, err: Exception) -> None:
@@ -240,28 +202,24 @@ class Client(SessionInfo):
         self._resuming = asyncio.get_running_loop().create_task(
             self._resume(err, time.monotonic()))
 
-    # -- riding through a coordinator restart -------------------------------------------------
+    # -- riding through a coordinator restart (client_core.py) ---------------------------------
     async def _resume(self, err: Exception, lost_at: float) -> None:
         """Reconnect, take the session back, restore the requests, settle
         the calls in flight and resend those not applied.  A new loss of
         the connection meanwhile cancels this and starts over."""
+        flight = self._flight
         try:
             welcome = await self._reconnect(err)
             if not welcome.resumed:
-                # A fresh session: the old one's requests are gone.
-                self.requests.clear()
-                self._give_up_pending(ResumeFailed(
-                    "the coordinator restarted and this session could not be resumed: "
-                    + (welcome.resume_error or "it keeps no session records")))
-                self._seq = 0
+                for call in flight.fresh_session(welcome):
+                    _deliver(call)
                 self._resumed.set()
                 return
-            self._settle_in_flight(welcome)
-            self._seq = welcome.last_seq
-            self.resumed_requests += len(self.requests)
+            for call in flight.resumed(welcome, self._wire.decoder.decode):
+                _deliver(call)
             for frame in self.requests.restore_frames(welcome.requests):
-                await self._send_now(frame)
-            for call in self._pending:    # not applied: send again, in order
+                await self._restore(frame)
+            for call in flight.unsent():    # not applied: send again, in order
                 self._write(call)
             self.restarts.append((lost_at, time.monotonic()))
             self._resumed.set()
@@ -275,157 +233,44 @@ class Client(SessionInfo):
 
     async def _reconnect(self, err: Exception) -> p.Welcome:
         policy = self.reconnect
-        hello = msgspec.structs.replace(self._hello, resume_token=self.resume_token)
-        deadline = time.monotonic() + policy.timeout
-        delay = policy.initial_delay
+        hello = resume_hello(self._hello, self.resume_token)
+        backoff = Backoff(policy, err)
         while True:
             if self._closed:
                 raise ConnectionClosed("the client closed this connection")
             try:
                 wire, welcome = await open_wire(self.path, hello, policy.connect_timeout)
                 break
-            except (ConnectionLost, RequestTimeout, OSError) as e:
-                if time.monotonic() + delay > deadline:
-                    raise ConnectionLost(f"the coordinator went away ({err}) and did not come "
-                                         f"back within {policy.timeout:g}s: {e}") from None
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, policy.max_delay)
+            except CONNECT_ERRORS as e:
+                await asyncio.sleep(backoff.next_delay(e))
         self.take_welcome(welcome)
         self._attach(wire)
         self._resumed.clear()
         return welcome
 
-    def _settle_in_flight(self, welcome: p.Welcome) -> None:
-        """Calls up to `last_seq` were applied: the last one gets its kept
-        reply, earlier ones (replies lost with the old connection) ReplyLost."""
-        last = welcome.last_seq
-        pending = self._pending
-        while pending and 0 < pending[0].seq <= last:
-            call = pending.popleft()
-            reply = None
-            if call.seq == last and welcome.last_reply:
-                reply = self._wire.decoder.decode(welcome.last_reply)
-            if reply is not None:
-                self.requests.apply(call.msg, reply)
-                if not call.fut.done():
-                    call.fut.set_result(reply)
-            else:
-                self.replies_lost += 1
-                self.requests.forget(call.msg)
-                if not call.fut.done():
-                    call.fut.set_exception(ReplyLost(
-                        "the coordinator restarted after applying this call, before its "
-                        "reply was delivered; read the state back"))
-
-    async def _send_now(self, msg) -> None:
+    async def _restore(self, msg) -> None:
         """One restore frame, ahead of the waiting calls; raises its errors."""
-        fut = asyncio.get_running_loop().create_future()
-        call = _Call(fut, msg, encode_frame(msg))
-        self._pending.appendleft(call)
+        call = Call(msg, asyncio.get_running_loop().create_future())
+        self._flight.add(call, first=True)
         self._write(call)
         try:
-            reply = await fut
+            reply = await call.waiter
         except asyncio.CancelledError:
-            if call in self._pending:
-                self._pending.remove(call)
+            if call in self._flight.calls:
+                self._flight.calls.remove(call)
             raise
-        results = reply.results if reply.__class__ is p.BatchReply else (reply,)
-        for r in results:
-            if r.__class__ is p.Error:
-                raise error_from_wire(r.code, "restoring requests after a coordinator "
-                                      f"restart: {r.message}", r.fields)
+        check_restored(reply)
 
-    def _give_up_pending(self, err: Exception) -> None:
-        while self._pending:
-            call = self._pending.popleft()
-            if not call.fut.done():
-                call.fut.set_exception(err)
 
-    # -- operations --------------------------------------------------------------------------
-    async def add_request(self, req: str, prompt: Sequence[int] | None = None, *,
-                          block_hashes: list[bytes] | None = None, num_tokens: int = 0,
-                          lora_name: str | None = None, cache_salt: str | None = None,
-                          skip_reading_prefix_cache: bool = False, mm_features=None,
-                          prompt_embeds=None, timeout: float | None = None) -> None:
-        """Add a request: its prompt's token ids (with its multimodal items
-        and prompt embeds, if any), or the hashes of its full blocks and its
-        token count (see `protocol.add_request`)."""
-        await self.call(p.add_request(req, prompt, block_hashes, num_tokens, lora_name,
-                                      cache_salt, skip_reading_prefix_cache, mm_features,
-                                      prompt_embeds), timeout)
-
-    async def advance(self, req: str, num_computed_tokens: int,
-                      append: Sequence[int] = (), *, append_hashes: list[bytes] = (),
-                      num_appended: int = 0, timeout: float | None = None) -> None:
-        await self.call(p.Advance(req, num_computed_tokens, list(append),
-                                  list(append_hashes), num_appended), timeout)
-
-    async def get_computed_blocks(self, req: str, timeout: float | None = None
-                                  ) -> tuple[list[list[int]], int]:
-        r = await self.call(p.GetComputedBlocks(req), timeout)
-        return r.block_ids, r.num_computed_tokens
-
-    async def allocate_slots(self, req: str, num_new_tokens: int,
-                             num_new_computed_tokens: int = 0, *,
-                             use_computed_blocks: bool = False,
-                             num_lookahead_tokens: int = 0,
-                             num_external_computed_tokens: int = 0,
-                             delay_cache_blocks: bool = False, num_encoder_tokens: int = 0,
-                             timeout: float | None = None) -> list[list[int]] | None:
-        """New block ids per group, or None if the pool is short of blocks.
-        `use_computed_blocks` passes this request's last lookup's hits."""
-        r = await self.call(p.AllocateSlots(
-            req, num_new_tokens, num_new_computed_tokens, use_computed_blocks,
-            num_lookahead_tokens, num_external_computed_tokens, delay_cache_blocks,
-            num_encoder_tokens), timeout)
-        return r.new_block_ids
-
-    async def admit(self, req: str, max_new_tokens: int, *, num_lookahead_tokens: int = 0,
-                    delay_cache_blocks: bool = False, wait_in_flight: int = 0,
-                    timeout: float | None = None) -> p.Admitted:
-        """Lookup + allocation of a waiting request in one atomic step (see
-        `protocol.Admit`); `.new_block_ids` is None if the pool is short, or
-        if at least `wait_in_flight` (> 0) tokens past the hit are in
-        flight (`.num_in_flight_tokens`)."""
-        return await self.call(p.Admit(req, max_new_tokens, num_lookahead_tokens,
-                                       delay_cache_blocks, wait_in_flight), timeout)
-
-    async def cache_blocks(self, req: str, num_computed_tokens: int,
-                           timeout: float | None = None) -> None:
-        await self.call(p.CacheBlocks(req, num_computed_tokens), timeout)
-
-    async def free(self, req: str, *, preempted: bool = False,
-                   timeout: float | None = None) -> int:
-        """Free the request's blocks; it is forgotten unless `preempted`.
-        Returns the pool's free-block count."""
-        return (await self.call(p.Free(req, preempted), timeout)).num_free_blocks
-
-    async def remove_skipped_blocks(self, req: str, total_computed_tokens: int,
-                                    timeout: float | None = None) -> int:
-        r = await self.call(p.RemoveSkippedBlocks(req, total_computed_tokens), timeout)
-        return r.num_free_blocks
-
-    async def get_block_ids(self, req: str, timeout: float | None = None) -> list[list[int]]:
-        return (await self.call(p.GetBlockIds(req), timeout)).block_ids
-
-    async def get_num_common_prefix_blocks(self, req: str,
-                                           timeout: float | None = None) -> list[int]:
-        return (await self.call(p.NumCommonPrefixBlocks(req), timeout)).num_blocks
-
-    async def reset_prefix_cache(self, timeout: float | None = None) -> bool:
-        return (await self.call(p.ResetPrefixCache(), timeout)).ok
-
-    async def evict_blocks(self, block_ids: Sequence[int],
-                           timeout: float | None = None) -> int:
-        return (await self.call(p.EvictBlocks(list(block_ids)), timeout)).num_free_blocks
-
-    async def stats(self, free_head: int = 0, timeout: float | None = None) -> p.Stats:
-        return await self.call(p.GetStats(free_head), timeout)
-
-    async def take_events(self, timeout: float | None = None) -> list:
-        """The KV-cache events this session's frames caused since its last
-        call (kvshm.core.events structs; the first call starts recording)."""
-        return decode_events((await self.call(p.TakeEvents(), timeout)).payload)
+def _deliver(call: Call) -> None:
+    """Hand a settled call's outcome to its waiter (a cancelled or timed-out
+    call just drops it)."""
+    fut = call.waiter
+    if not fut.done():
+        if call.error is None:
+            fut.set_result(call.reply)
+        else:
+            fut.set_exception(call.error)
 
 
 async def connect(path: str | os.PathLike | None = None, *, name: str | None = None,
@@ -448,7 +293,7 @@ async def connect(path: str | os.PathLike | None = None, *, name: str | None = N
     restarts: it reconnects with bounded exponential backoff (`reconnect`,
     default `Reconnect()`), takes its session back with its resume token,
     restores its requests and resends the calls that were not applied
-    (kvshm/service/resume.py).
+    (kvshm/service/client_core.py).
 
     Raises TypeError if given both or neither of `path` and `name`,
     InvalidArgument for a `name` that cannot name a pool, ConnectionLost if

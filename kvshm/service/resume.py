@@ -7,14 +7,11 @@ reply, so that after a restart the client can restore its requests
 (`restore_frames`): the coordinator takes back their block tables from the
 segment, and AddRequest + Advance give them their tokens again.
 
-How a call in flight at the crash is settled (Client._settle_in_flight):
-frames are numbered per session, and the coordinator records the seq of
-each frame inside that frame's journaled mutation, with its reply.  On
-resume it says `last_seq`: calls numbered up to it were applied (the last
-one gets its kept reply, as if nothing happened; an earlier one whose
-reply was lost with the old connection raises ReplyLost, and its requests
-are released), later ones were not and are sent again after the restore.
-No call is lost silently or applied twice.
+How the calls in flight at a restart are settled, and what a session that
+could not be given back does, is client_core.py's, the same for both
+clients: frames are numbered per session, and the coordinator records the
+seq of each frame inside that frame's journaled mutation, with its reply;
+on resume it says `last_seq`.
 """
 
 from __future__ import annotations
@@ -38,7 +35,10 @@ class Reconnect:
     connect_timeout: float = 5.0
 
 
-class _Req:
+class MirroredRequest:
+    """One live request as the coordinator holds it: its tokens (or block
+    hashes and token count), the AddRequest that made it, its computed count."""
+
     __slots__ = ("tokens", "hashes", "num_tokens", "num_prompt", "op", "computed")
 
     def __init__(self, op: p.AddRequest) -> None:
@@ -59,13 +59,17 @@ class RequestMirror:
     """The client-side state of its live requests, kept from the replies."""
 
     def __init__(self) -> None:
-        self._reqs: dict[str, _Req] = {}
+        self._reqs: dict[str, MirroredRequest] = {}
 
     def __len__(self) -> int:
         return len(self._reqs)
 
     def __contains__(self, rid: str) -> bool:
         return rid in self._reqs
+
+    def get(self, rid: str) -> MirroredRequest | None:
+        """Request `rid` as the coordinator holds it (None if it does not)."""
+        return self._reqs.get(rid)
 
     def clear(self) -> None:
         self._reqs.clear()
@@ -97,7 +101,7 @@ class RequestMirror:
                 r.num_tokens += len(op.append)
             r.computed = op.num_computed_tokens
         elif cls is p.AddRequest:
-            self._reqs[op.req] = _Req(op)
+            self._reqs[op.req] = MirroredRequest(op)
         elif cls is p.Free and not op.preempted:
             self._reqs.pop(op.req, None)
 

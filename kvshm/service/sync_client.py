@@ -8,13 +8,16 @@ event loop, for callers that are synchronous themselves (vLLM's scheduler).
         hits, n = c.get_computed_blocks("r1")
         new = c.allocate_slots("r1", len(tokens) - n, n, use_computed_blocks=True)
 
-Same method names, arguments and errors as the asyncio client
-(kvshm/service/client.py), one call at a time; `batch()` runs several ops
-in one round trip.  It rides through a coordinator restart the same way:
-reconnect with backoff, take the session back with its resume token,
-restore the requests from its `RequestMirror`, settle the call in flight
-(applied: its kept reply; not applied: sent again).  Not thread-safe: one
-thread per client.
+The same operations, arguments and errors as the asyncio client
+(kvshm/service/client.py; both are written once, in client_core.py), one
+call at a time; `batch()` runs several ops in one round trip.  It rides
+through a coordinator restart the same way (client_core.py): reconnect
+with backoff, take the session back with its resume token, restore the
+requests from its `RequestMirror`, settle the calls in flight (applied:
+the kept reply or ReplyLost; not applied: sent again); a session that
+could not be given back fails them with ResumeFailed and goes on fresh.
+It has no background: it notices a restart in its next call.  Not
+thread-safe: one thread per client.
 """
 
 from __future__ import annotations
@@ -22,29 +25,24 @@ from __future__ import annotations
 import os
 import socket
 import time
-from collections.abc import Sequence
 
 import msgspec
 
 from kvshm.core.errors import KvshmError
-from kvshm.core.events import decode_events
 from kvshm.core.hashing import DEFAULT_HASH_ALGORITHM, DEFAULT_HASH_SEED
 from kvshm.ops import protocol as p
 from kvshm.ops.errors import (
     ConnectionClosed,
     ConnectionLost,
     ProtocolError,
-    ReplyLost,
     RequestTimeout,
-    ResumeFailed,
-    batch_results,
-    error_from_wire,
-    raise_reply,
 )
 from kvshm.ops.protocol import encode_frame
+from kvshm.service.client_core import (CONNECT_ERRORS, Backoff, Call, ClientSession,
+    check_restored, checked, resume_hello, shutdown_error)
 from kvshm.service.framing import REPLY_LIMIT_BYTES, FrameReader
-from kvshm.service.handshake import SessionInfo, check_welcome, make_hello, socket_path
-from kvshm.service.resume import Reconnect, RequestMirror
+from kvshm.service.handshake import check_welcome, make_hello, socket_path
+from kvshm.service.resume import Reconnect
 
 _RECV_BYTES = 1 << 16
 
@@ -129,24 +127,16 @@ def open_wire_sync(path, hello: p.Hello, timeout: float) -> tuple[_Wire, p.Welco
     return wire, welcome
 
 
-class SyncClient(SessionInfo):
-    """A session with the coordinator; make one with `connect_sync()`."""
+class SyncClient(ClientSession):
+    """A session with the coordinator; make one with `connect_sync()`.  Its
+    calls in flight are the call being made and those whose replies a
+    timeout left unread (the next call reads them first)."""
 
     def __init__(self, path, hello: p.Hello, wire: _Wire, welcome: p.Welcome,
                  reconnect: Reconnect | None) -> None:
-        self.path = path
-        self._hello = hello
-        self.reconnect = reconnect
-        self.tenant = hello.tenant
-        self.requests = RequestMirror()
-        self.restarts: list[tuple[float, float]] = []   # (lost at, resumed at), monotonic
-        self.replies_lost = 0
-        self.resumed_requests = 0
+        super().__init__(path, hello, welcome, reconnect)
         self._wire: _Wire | None = wire
-        self._seq = 0
-        self._owed: list = []     # messages whose replies a timeout left unread
         self._lost: KvshmError | None = None
-        self.take_welcome(welcome)
 
     # -- lifecycle -------------------------------------------------------------------
     def close(self) -> None:
@@ -164,88 +154,59 @@ class SyncClient(SessionInfo):
         self.close()
 
     # -- raw calls ------------------------------------------------------------------------
-    def call(self, msg: msgspec.Struct, timeout: float | None = None):
-        """Send one message, return its reply struct (Error replies raise)."""
-        reply = self.request(msg, timeout)
-        if reply.__class__ is p.Error:
-            raise_reply(reply)
-        return reply
-
-    def batch(self, ops: Sequence[msgspec.Struct], timeout: float | None = None) -> list:
-        """Run `ops` in one frame, atomically with respect to other sessions.
-        Returns their replies; if one failed, raises its error with
-        `.results` (the replies before it) and `.index` set."""
-        return batch_results(self.request(p.Batch(list(ops)), timeout))
-
     def request(self, msg: msgspec.Struct, timeout: float | None = None):
         """Send one message and return its reply struct as it is (an `Error`
         reply is returned, not raised).  A coordinator restart meanwhile is
         ridden through (see the module docstring)."""
-        frame = encode_frame(msg)
-        while True:
-            seq = 0
-            if self._lost is not None:
-                raise self._lost
-            try:
-                self._drain_owed(timeout)
-                seq = self._send(frame)
-                reply = self._receive(msg, timeout)
-                break
-            except (ConnectionLost, ProtocolError) as e:
-                welcome = self._resume(e)
-                if 0 < seq <= welcome.last_seq:   # applied before the crash
-                    reply = self._kept_reply(msg, seq, welcome)
-                    break
-        return reply
-
-    def _send(self, frame: bytes) -> int:
-        self._wire.send(frame)
-        self._seq += 1
-        return self._seq
-
-    def _receive(self, msg, timeout: float | None):
-        try:
-            reply = self._wire.receive(timeout)
-        except RequestTimeout:
-            self._owed.append(msg)
-            raise
-        if reply.__class__ is p.Shutdown:
-            self._give_up(ConnectionLost(f"the coordinator shut down ({reply.reason})"))
+        if self._lost is not None:
             raise self._lost
-        self.requests.apply(msg, reply)
-        return reply
+        call = Call(msg)
+        flight = self._flight
+        flight.add(call)
+        sent = False
+        while True:
+            try:
+                if not sent:
+                    sent = True
+                    self._wire.send(flight.number(call))
+                return self._wait(call, timeout)
+            except (ConnectionLost, ProtocolError) as e:
+                self._resume(e)      # settles the calls applied, sends the others again
+                if call.settled:
+                    if call.error is not None:
+                        raise call.error from None
+                    return call.reply
 
-    def _drain_owed(self, timeout: float | None) -> None:
-        while self._owed:
-            msg = self._owed[0]
-            reply = self._wire.receive(timeout)
-            self._owed.pop(0)
+    def _op(self, msg, timeout, answer):
+        return answer(checked(self.request(msg, timeout)))
+
+    def _wait(self, call: Call, timeout: float | None):
+        """Read replies until `call`'s (those of calls a timeout left unread
+        come first).  On a timeout `call` stays in flight: its reply is read
+        and recorded by the next call."""
+        flight, wire = self._flight, self._wire
+        while True:
+            reply = wire.receive(timeout)
             if reply.__class__ is p.Shutdown:
-                self._give_up(ConnectionLost(f"the coordinator shut down ({reply.reason})"))
+                self._give_up(shutdown_error(reply))
                 raise self._lost
-            self.requests.apply(msg, reply)
-
-    def _kept_reply(self, msg, seq: int, welcome: p.Welcome):
-        if seq == welcome.last_seq and welcome.last_reply:
-            reply = self._wire.decoder.decode(welcome.last_reply)
-            self.requests.apply(msg, reply)
-            return reply
-        self.replies_lost += 1
-        self.requests.forget(msg)
-        raise ReplyLost("the coordinator restarted after applying this call, before its "
-                        "reply was delivered; read the state back")
+            if flight.answered(reply) is call:
+                return reply
 
     def _give_up(self, err: KvshmError) -> None:
         self._lost = err
+        self._flight.fail_all(err)
         if self._wire is not None:
             self._wire.close()
             self._wire = None
 
-    # -- riding through a coordinator restart -------------------------------------------------
-    def _resume(self, err: Exception) -> p.Welcome:
-        """Reconnect, take the session back and restore the requests; the
-        Welcome says which frames were applied.  Raises (and gives up) when
-        the session cannot be resumed."""
+    # -- riding through a coordinator restart (client_core.py) ---------------------------------
+    def _resume(self, err: Exception) -> None:
+        """Reconnect, take the session back, settle the calls applied,
+        restore the requests and send the calls not applied again; or, when
+        the session could not be given back, fail the calls in flight with
+        ResumeFailed and go on as the fresh session.  Raises (and gives up)
+        when the coordinator does not come back."""
         lost_at = time.monotonic()
         if self._wire is not None:
             self._wire.close()
@@ -254,115 +215,52 @@ class SyncClient(SessionInfo):
             self._give_up(err if isinstance(err, KvshmError) else ConnectionLost(str(err)))
             raise self._lost
         policy = self.reconnect
-        hello = msgspec.structs.replace(self._hello, resume_token=self.resume_token)
-        deadline = lost_at + policy.timeout
-        delay = policy.initial_delay
+        hello = resume_hello(self._hello, self.resume_token)
+        backoff = Backoff(policy, err)
+        flight = self._flight
+        while True:
+            wire, welcome = self._reconnect(hello, backoff)
+            if not welcome.resumed:
+                flight.fresh_session(welcome)
+                return
+            flight.resumed(welcome, wire.decoder.decode)
+            try:
+                for msg in self.requests.restore_frames(welcome.requests):
+                    restore = Call(msg)
+                    flight.add(restore, first=True)
+                    wire.send(flight.number(restore))
+                    self._wait(restore, policy.connect_timeout)
+                    check_restored(restore.reply)
+                for call in flight.unsent():    # not applied: send again, in order
+                    wire.send(flight.number(call))
+            except (ConnectionLost, ProtocolError):
+                if self._lost is not None:      # the coordinator shut down
+                    raise
+                wire.close()                    # lost again while resuming: start over
+                self._wire = None
+                continue
+            except KvshmError as e:
+                self._give_up(e)
+                raise
+            break
+        self.restarts.append((lost_at, time.monotonic()))
+
+    def _reconnect(self, hello: p.Hello, backoff: Backoff) -> tuple[_Wire, p.Welcome]:
+        """Connect again on the backoff's schedule (giving up after it)."""
         while True:
             try:
-                wire, welcome = open_wire_sync(self.path, hello, policy.connect_timeout)
+                wire, welcome = open_wire_sync(self.path, hello, self.reconnect.connect_timeout)
                 break
-            except (ConnectionLost, RequestTimeout, OSError) as e:
-                if time.monotonic() + delay > deadline:
-                    self._give_up(ConnectionLost(
-                        f"the coordinator went away ({err}) and did not come back within "
-                        f"{policy.timeout:g}s: {e}"))
+            except CONNECT_ERRORS as e:
+                try:
+                    delay = backoff.next_delay(e)
+                except ConnectionLost as gone:
+                    self._give_up(gone)
                     raise self._lost from None
                 time.sleep(delay)
-                delay = min(delay * 2, policy.max_delay)
         self._wire = wire
-        self._owed.clear()   # replies of the old connection are gone with it
         self.take_welcome(welcome)
-        if not welcome.resumed:
-            self.requests.clear()
-            self._give_up(ResumeFailed(
-                "the coordinator restarted and this session could not be resumed: "
-                + (welcome.resume_error or "it keeps no session records")))
-            raise self._lost
-        self._seq = welcome.last_seq
-        self.resumed_requests += len(self.requests)
-        for frame in self.requests.restore_frames(welcome.requests):
-            self._send(encode_frame(frame))
-            reply = wire.receive(policy.connect_timeout)
-            for r in (reply.results if reply.__class__ is p.BatchReply else (reply,)):
-                if r.__class__ is p.Error:
-                    self._give_up(error_from_wire(
-                        r.code, f"restoring requests after a coordinator restart: {r.message}",
-                        r.fields))
-                    raise self._lost
-        self.restarts.append((lost_at, time.monotonic()))
-        return welcome
-
-    # -- operations (as the asyncio client's) --------------------------------------------------
-    def add_request(self, req: str, prompt: Sequence[int] | None = None, *,
-                    block_hashes: list[bytes] | None = None, num_tokens: int = 0,
-                    lora_name: str | None = None, cache_salt: str | None = None,
-                    skip_reading_prefix_cache: bool = False, mm_features=None,
-                    prompt_embeds=None, timeout: float | None = None) -> None:
-        """Add a request: its prompt's token ids (with its multimodal items
-        and prompt embeds, if any), or the hashes of its full blocks and its
-        token count (see `protocol.add_request`)."""
-        self.call(p.add_request(req, prompt, block_hashes, num_tokens, lora_name, cache_salt,
-                                skip_reading_prefix_cache, mm_features, prompt_embeds), timeout)
-
-    def advance(self, req: str, num_computed_tokens: int, append: Sequence[int] = (), *,
-                append_hashes: list[bytes] = (), num_appended: int = 0,
-                timeout: float | None = None) -> None:
-        self.call(p.Advance(req, num_computed_tokens, list(append), list(append_hashes),
-                            num_appended), timeout)
-
-    def get_computed_blocks(self, req: str, timeout: float | None = None
-                            ) -> tuple[list[list[int]], int]:
-        r = self.call(p.GetComputedBlocks(req), timeout)
-        return r.block_ids, r.num_computed_tokens
-
-    def allocate_slots(self, req: str, num_new_tokens: int, num_new_computed_tokens: int = 0,
-                       *, use_computed_blocks: bool = False, num_lookahead_tokens: int = 0,
-                       num_external_computed_tokens: int = 0, delay_cache_blocks: bool = False,
-                       num_encoder_tokens: int = 0,
-                       timeout: float | None = None) -> list[list[int]] | None:
-        """New block ids per group, or None if the pool is short of blocks."""
-        return self.call(p.AllocateSlots(
-            req, num_new_tokens, num_new_computed_tokens, use_computed_blocks,
-            num_lookahead_tokens, num_external_computed_tokens, delay_cache_blocks,
-            num_encoder_tokens), timeout).new_block_ids
-
-    def admit(self, req: str, max_new_tokens: int, *, num_lookahead_tokens: int = 0,
-              delay_cache_blocks: bool = False, wait_in_flight: int = 0,
-              timeout: float | None = None) -> p.Admitted:
-        return self.call(p.Admit(req, max_new_tokens, num_lookahead_tokens,
-                                 delay_cache_blocks, wait_in_flight), timeout)
-
-    def cache_blocks(self, req: str, num_computed_tokens: int,
-                     timeout: float | None = None) -> None:
-        self.call(p.CacheBlocks(req, num_computed_tokens), timeout)
-
-    def free(self, req: str, *, preempted: bool = False, timeout: float | None = None) -> int:
-        return self.call(p.Free(req, preempted), timeout).num_free_blocks
-
-    def remove_skipped_blocks(self, req: str, total_computed_tokens: int,
-                              timeout: float | None = None) -> int:
-        return self.call(p.RemoveSkippedBlocks(req, total_computed_tokens),
-                         timeout).num_free_blocks
-
-    def get_block_ids(self, req: str, timeout: float | None = None) -> list[list[int]]:
-        return self.call(p.GetBlockIds(req), timeout).block_ids
-
-    def get_num_common_prefix_blocks(self, req: str, timeout: float | None = None) -> list[int]:
-        return self.call(p.NumCommonPrefixBlocks(req), timeout).num_blocks
-
-    def reset_prefix_cache(self, timeout: float | None = None) -> bool:
-        return self.call(p.ResetPrefixCache(), timeout).ok
-
-    def evict_blocks(self, block_ids: Sequence[int], timeout: float | None = None) -> int:
-        return self.call(p.EvictBlocks(list(block_ids)), timeout).num_free_blocks
-
-    def stats(self, free_head: int = 0, timeout: float | None = None) -> p.Stats:
-        return self.call(p.GetStats(free_head), timeout)
-
-    def take_events(self, timeout: float | None = None) -> list:
-        """The KV-cache events this session's frames caused since its last
-        call (kvshm.core.events structs; the first call starts recording)."""
-        return decode_events(self.call(p.TakeEvents(), timeout).payload)
+        return wire, welcome
 
 
 def connect_sync(path: str | os.PathLike | None = None, *, name: str | None = None,

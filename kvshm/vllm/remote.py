@@ -28,8 +28,17 @@ takes as a full pool (the request stays first in line and the waiting
 requests behind it wait too, as they would for free blocks).  While it
 waits it is looked up again at most every `in_flight_poll` seconds, and a
 step that schedules nothing else sleeps until then (vLLM's engine loop
-would otherwise spin through empty steps, each with a round trip).  Runs inside vLLM processes only (no vLLM
-import here, though).
+would otherwise spin through empty steps, each with a round trip).
+
+What the coordinator holds of each request (its hashes, token count and
+computed count) is the sync client's `RequestMirror`, kept from the
+replies; the backend only queues the computed counts it has not sent yet.
+A restart is ridden through by the client; one the session does not
+survive (ResumeFailed) or one that lost a reply (ReplyLost) leaves the
+scheduler's block tables out of step with the pool, so the backend stops:
+that call and every later one raise `PoolSessionLost` and the engine must
+be restarted.  Runs inside vLLM processes only (no vLLM import here,
+though).
 """
 
 from __future__ import annotations
@@ -38,11 +47,12 @@ import logging
 import time
 
 from kvshm.core.errors import StaleHits
+from kvshm.core.events import decode_events
 from kvshm.core.hashing import HASH_SLOT_BYTES
 from kvshm.core.specs import CrossAttentionSpec, FullSpec, MLASpec, PoolConfig
 from kvshm.core.state import FLAG_CACHED
 from kvshm.ops import protocol as p
-from kvshm.ops.errors import Forbidden
+from kvshm.ops.errors import Forbidden, ReplyLost, ResumeFailed
 from kvshm.pool.segment import PoolSegment
 from kvshm.service.sync_client import SyncClient
 
@@ -57,18 +67,9 @@ _GROWING = (FullSpec, MLASpec, CrossAttentionSpec)
 _LOCAL = (FullSpec, MLASpec)
 
 
-class _Sent:
-    """What the coordinator knows of one request."""
-
-    __slots__ = ("num_tokens", "num_hashes", "computed", "cached")
-
-    def __init__(self, num_tokens: int, num_hashes: int, computed: int) -> None:
-        self.num_tokens = num_tokens
-        self.num_hashes = num_hashes
-        self.computed = computed
-        # The most tokens an allocation (or cache_blocks) asked the pool to
-        # cache: it holds this request's full blocks up to here.
-        self.cached = 0
+class PoolSessionLost(ResumeFailed):
+    """The engine's session with the pool ended with its block tables in it
+    (a restart it did not survive, or a lost reply): restart the engine."""
 
 
 class RemoteBackend:
@@ -96,11 +97,16 @@ class RemoteBackend:
         self.segment = PoolSegment.attach(client.pool_segment)
         self._flags = self.segment.flags
         self._hashes = self.segment.hashes
-        self._sent: dict[str, _Sent] = {}
+        # What the coordinator holds of each request (from the replies).
+        self._held = client.requests
+        # Per request: the most tokens an allocation (or cache_blocks) asked
+        # the pool to cache (it holds the request's full blocks up to here).
+        self._cached: dict[str, int] = {}
         # Per request allocated this step: its computed tokens before the
         # step's; and the computed counts to report in the next frame.
         self._step_start: dict[str, int] = {}
-        self._computed: list = []
+        self._report: dict[str, int] = {}
+        self._lost: PoolSessionLost | None = None
         self._mirror: dict[str, list[list[int]]] | None = (
             {} if all(isinstance(g, _GROWING) for g in self.config.groups) else None)
         self._block_sizes = [self.config.effective_block_size(g)
@@ -126,31 +132,35 @@ class RemoteBackend:
     def _sync(self, request) -> list:
         """The ops that give the coordinator this request's current state."""
         rid = request.request_id
-        sent = self._sent.get(rid)
+        held = self._held.get(rid)
         hashes = request.block_hashes
-        if sent is None:
+        if held is None:
             lora = request.lora_request.lora_name if request.lora_request else None
             ops = [p.AddRequest(rid, None, list(hashes), request.num_tokens, lora,
                                 request.cache_salt, request.skip_reading_prefix_cache)]
-            self._sent[rid] = _Sent(request.num_tokens, len(hashes), 0)
             if request.num_computed_tokens:
                 ops.append(p.Advance(rid, request.num_computed_tokens))
-                self._sent[rid].computed = request.num_computed_tokens
             return ops
         n, c = request.num_tokens, request.num_computed_tokens
-        if n == sent.num_tokens and c == sent.computed:
+        if n == held.num_tokens and c == self._report.get(rid, held.computed):
             return []
-        op = p.Advance(rid, c, [], list(hashes[sent.num_hashes:]), n - sent.num_tokens)
-        sent.num_tokens, sent.num_hashes, sent.computed = n, len(hashes), c
-        return [op]
+        return [p.Advance(rid, c, [], list(hashes[len(held.hashes):]), n - held.num_tokens)]
 
     def _run(self, ops: list):
         """Run ops in one frame, after the computed counts `step_computed`
         queued; the last op's reply."""
-        if self._computed:
-            ops = self._computed + ops
-            self._computed = []
-        return self.client.batch(ops)[-1] if len(ops) > 1 else self.client.call(ops[0])
+        if self._lost is not None:
+            raise self._lost
+        if self._report:
+            ops = [p.Advance(rid, c) for rid, c in self._report.items()] + ops
+            self._report = {}
+        try:
+            return self.client.batch(ops)[-1] if len(ops) > 1 else self.client.call(ops[0])
+        except (ResumeFailed, ReplyLost) as e:
+            self._lost = PoolSessionLost(
+                f"kvshm: this engine's session with the pool is gone with its block tables "
+                f"({e}); restart the engine")
+            raise self._lost from e
 
     # -- the manager's calls ---------------------------------------------------------------
     def get_computed_blocks(self, request) -> tuple[list[list[int]], int]:
@@ -165,7 +175,7 @@ class RemoteBackend:
                 if self.skips_waiting or self._step_start:
                     self._in_flight[rid] = in_flight
                     return ids, n
-                if not self._computed:           # else this step would be empty
+                if not self._report:             # else this step would be empty
                     time.sleep(when + self.in_flight_poll - now)
         r = self._run(self._sync(request) + [p.GetComputedBlocks(rid)])
         if r.num_in_flight_tokens:
@@ -200,6 +210,8 @@ class RemoteBackend:
     def allocate_slots(self, request, num_new_tokens, num_new_computed_tokens, hits,
                        num_lookahead_tokens, num_external_computed_tokens,
                        delay_cache_blocks, num_encoder_tokens) -> list[list[int]] | None:
+        if self._lost is not None:
+            raise self._lost
         rid = request.request_id
         if not self.skips_waiting and self._in_flight and self.waits(rid):
             return None                              # (only lookups set _in_flight)
@@ -225,9 +237,9 @@ class RemoteBackend:
         if new is None:
             return None
         if not delay_cache_blocks:
-            sent = self._sent[rid]
-            sent.cached = max(sent.cached, min(total + num_external_computed_tokens
-                                               + num_new_tokens, request.num_tokens))
+            self._cached[rid] = max(self._cached.get(rid, 0),
+                                    min(total + num_external_computed_tokens + num_new_tokens,
+                                        request.num_tokens))
         if self._mirror is not None:
             held = self._mirror.get(rid)
             if held is None:
@@ -242,7 +254,7 @@ class RemoteBackend:
         """The scheduler built a step of `num_scheduled_tokens`: if it is
         empty while requests wait for tokens in flight, sleep until the
         first of their next lookups is due."""
-        if num_scheduled_tokens or not self._looked_up or self._computed:
+        if num_scheduled_tokens or not self._looked_up or self._report:
             return
         due = min(when for when, *_ in self._looked_up.values()) + self.in_flight_poll
         pause = due - time.monotonic()
@@ -255,13 +267,13 @@ class RemoteBackend:
         holds the blocks already, and caches no block it has not cached.
         Only with nothing queued for the pool (so that computed counts
         reach it in the step after their step)."""
-        if not self._local or self._computed:
+        if not self._local or self._report:
             return False
         rid = request.request_id
         held = self._mirror.get(rid)
-        sent = self._sent.get(rid)
-        if held is None or sent is None:
+        if held is None or rid not in self._held:
             return False
+        cached = self._cached.get(rid, 0)
         max_len = self.config.max_model_len
         total = min(total, max_len)
         need = min(total + num_slots, max_len)
@@ -269,7 +281,7 @@ class RemoteBackend:
         for bs, blocks in zip(self._block_sizes, held):
             if -(-need // bs) > len(blocks):
                 return False
-            if not delay_cache_blocks and cache // bs > sent.cached // bs:
+            if not delay_cache_blocks and cache // bs > cached // bs:
                 return False
         return True
 
@@ -279,26 +291,30 @@ class RemoteBackend:
         become hits for every engine once the next frame says so."""
         start = self._step_start
         sizes = self._block_sizes
+        report = self._report
         for rid, n in num_scheduled_tokens.items():
             c = start.pop(rid, None)
-            sent = self._sent.get(rid)
+            held = self._held.get(rid)
+            if c is None or held is None:
+                continue
             # Only a step that completed a block has news for other engines
             # (the pool's count of the request's tokens must cover it; it
             # does whenever the step cached that block); any other count
             # travels with the request's next op.
-            if (c is not None and sent is not None and c + n > sent.computed
-                    and c + n <= sent.num_tokens
-                    and any((c + n) // bs > sent.computed // bs for bs in sizes)):
-                sent.computed = c + n
-                self._computed.append(p.Advance(rid, c + n))
+            computed = report.get(rid, held.computed)
+            if (computed < c + n <= held.num_tokens
+                    and any((c + n) // bs > computed // bs for bs in sizes)):
+                report[rid] = c + n
         start.clear()
 
     def cache_blocks(self, request, num_computed_tokens: int) -> None:
-        self._run(self._sync(request) + [p.CacheBlocks(request.request_id, num_computed_tokens)])
-        sent = self._sent[request.request_id]
-        sent.cached = max(sent.cached, num_computed_tokens)
+        rid = request.request_id
+        self._run(self._sync(request) + [p.CacheBlocks(rid, num_computed_tokens)])
+        self._cached[rid] = max(self._cached.get(rid, 0), num_computed_tokens)
 
     def free(self, request) -> None:
+        if self._lost is not None:
+            raise self._lost
         rid = request.request_id
         self._step_start.pop(rid, None)
         self._in_flight.pop(rid, None)
@@ -306,37 +322,42 @@ class RemoteBackend:
         self._looked_up.pop(rid, None)
         if self._mirror is not None:
             self._mirror.pop(rid, None)
-        if rid not in self._sent:
+        if rid not in self._held:
+            self._report.pop(rid, None)
             return                   # never reached the pool
         # A running request freed is being preempted: the coordinator keeps
         # its hashes for the lookup that re-admits it.
         preempted = getattr(request.status, "name", "") == "RUNNING"
         ops = self._sync(request) if not preempted else []
         if not preempted:
-            del self._sent[rid]
+            self._cached.pop(rid, None)
         self._run(ops + [p.Free(rid, preempted)])
 
     def remove_skipped_blocks(self, request_id: str, total_computed_tokens: int) -> None:
         # Full attention, MLA and cross-attention never skip a block (the
         # scheduler asks anyway, before a connector's request_finished).
-        if self._mirror is None and request_id in self._sent:
+        if self._mirror is None and request_id in self._held:
             self._run([p.RemoveSkippedBlocks(request_id, total_computed_tokens)])
 
     def get_block_ids(self, request_id: str) -> list[list[int]]:
+        if self._lost is not None:
+            raise self._lost
         if self._mirror is not None:
             held = self._mirror.get(request_id)
             return held if held is not None else [[] for _ in self.config.groups]
-        if request_id not in self._sent:
+        if request_id not in self._held:
             return [[] for _ in self.config.groups]
-        return self.client.get_block_ids(request_id)
+        return self._run([p.GetBlockIds(request_id)]).block_ids
 
     def get_num_common_prefix_blocks(self, request_id: str) -> list[int]:
         """Per group, the leading blocks of the request that every request of
         this engine holding blocks holds too (vLLM's count, over this
         engine's requests; only cascade attention reads it)."""
+        if self._lost is not None:
+            raise self._lost
         held = None if self._mirror is None else self._mirror.get(request_id)
         if held is None:
-            return self.client.get_num_common_prefix_blocks(request_id)
+            return self._run([p.NumCommonPrefixBlocks(request_id)]).num_blocks
         counts = [len(h) for h in held]
         for other in self._mirror.values():
             if other is held:
@@ -353,24 +374,24 @@ class RemoteBackend:
 
     def evict_blocks(self, block_ids: list[int]) -> None:
         try:
-            self.client.evict_blocks(block_ids)
+            self._run([p.EvictBlocks(list(block_ids))])
         except Forbidden as e:
             self._warn_once("evict", f"kvshm: not evicting {len(block_ids)} blocks of the "
                             f"shared pool: {e} (KVSHM_ADMIN=1 connects as admin)")
 
     def reset_prefix_cache(self) -> bool:
         try:
-            return self.client.reset_prefix_cache()
+            return self._run([p.ResetPrefixCache()]).ok
         except Forbidden as e:
             self._warn_once("reset", f"kvshm: not resetting the shared pool's prefix cache: "
                             f"{e} (KVSHM_ADMIN=1 connects as admin)")
             return False
 
     def start_events(self) -> None:
-        self.client.take_events()          # the coordinator keeps ours from now on
+        self.take_events()                 # the coordinator keeps ours from now on
 
     def take_events(self) -> list:
-        return self.client.take_events()
+        return decode_events(self._run([p.TakeEvents()]).payload)
 
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:
