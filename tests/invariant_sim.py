@@ -322,7 +322,9 @@ class Sim:
         return (bytes(header), arrays, m.block_pool.free_queue(), m.block_pool.num_free_blocks,
                 {rid: m.get_block_ids(rid) for rid in self.reqs},
                 [dict(g.num_cached_block) for g in m.groups.managers],
-                dict(m.table.slot_of), repr(m.block_pool._maps))
+                dict(m.table.slot_of),
+                [dict(m.block_pool.hash_to_block(g).entries())
+                 for g in range(len(self.cfg.groups))])
 
     def bad_call(self, kind: int, idx: int) -> None:
         m, cfg = self.m, self.cfg

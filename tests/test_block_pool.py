@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 
 from kvshm import InvalidArgument, KVCacheManager, Request
+from kvshm.core.hash_map import BlockHashMap
 
 from helpers import assert_clean, lookup, make_config, tokens
 
@@ -400,3 +401,23 @@ def test_reset_prefix_cache_on_a_fresh_pool():
     with KVCacheManager(make_config()) as m:
         assert m.reset_prefix_cache() is True
         assert m.block_pool.free_queue() == [1, 2, 3, 4, 5, 6, 7, 8, 9]
+
+
+def test_the_hash_map_keeps_every_block_under_a_hash_earliest_first():
+    m = BlockHashMap()
+    h, other = b"\x01" * 32, b"\x02" * 32
+    m.add(h, 5)
+    assert m.get(h) == 5 and m.blocks(h) == [5] and m.shared(h) is None
+    m.add(h, 9)
+    m.add(h, 7)
+    m.add(other, 3)
+    assert m.get(h) == 5 and m.blocks(h) == [5, 9, 7] and m.blocks(other) == [3]
+    m.remove(h, 5)                    # the next earliest takes its place
+    assert m.get(h) == 9 and m.blocks(h) == [9, 7]
+    m.remove(h, 7)
+    assert m.get(h) == 9 and m.shared(h) is None
+    m.remove(h, 9)
+    assert h not in m and m.blocks(h) == [] and dict(m.entries()) == {other: [3]}
+    m.add(other, 4)
+    m.clear()
+    assert len(m) == 0 and m.blocks(other) == [] and m.shared(h) is None

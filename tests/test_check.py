@@ -235,7 +235,7 @@ def test_free_queue_out_of_lru_order(m):
 
 def test_stale_index_entry_for_an_uncached_block(m):
     pool = m.block_pool
-    pool.hash_to_block(0)[b"\x42" * pool.digest_size] = 9  # block 9 is free and not cached
+    pool.hash_to_block(0).add(b"\x42" * pool.digest_size, 9)  # block 9 is free and not cached
     assert_reports(m, "maps to block 9, which is not cached (stale entry)",
                    "index holds 6 cached blocks, the segment 5", only=True)
 
@@ -247,14 +247,14 @@ def test_cached_flag_cleared_under_the_index(m):
 
 
 def test_stale_index_not_checked_without_the_pool(m):
-    m.block_pool.hash_to_block(0)[b"\x42" * m.block_pool.digest_size] = 9
+    m.block_pool.hash_to_block(0).add(b"\x42" * m.block_pool.digest_size, 9)
     assert report(m, pool=False).clean
 
 
 def test_cached_block_missing_from_the_index(m):
     pool = m.block_pool
     key = pool.block_hash(7)
-    del pool._maps[0][key]
+    pool.hash_to_block(0).remove(key, 7)
     assert_reports(m, "index holds 4 cached blocks, the segment 5", only=True)
 
 
@@ -319,7 +319,7 @@ def test_index_blocks_not_in_caching_order():
         b = Request("b", list(range(9)), h, skip_reading_prefix_cache=True)
         assert mgr.allocate_slots(a, 9) == ([1, 2, 3],)
         assert mgr.allocate_slots(b, 9) == ([4, 5, 6],)
-        assert mgr.block_pool._maps[0][mgr.block_pool.block_hash(1)] == {1: None, 4: None}
+        assert mgr.block_pool.hash_to_block(0).blocks(mgr.block_pool.block_hash(1)) == [1, 4]
         assert_clean(mgr)
         seg = mgr.segment
         seg.cache_stamp[1], seg.cache_stamp[4] = seg.cache_stamp[4], seg.cache_stamp[1]

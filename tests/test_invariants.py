@@ -258,8 +258,8 @@ def _attach(name: str) -> KVCacheManager:
 
 
 def _index(pool) -> list[dict]:
-    return [{k: [v] if isinstance(v, int) else list(v) for k, v in m.items()}
-            for m in pool._maps]
+    return [dict(pool.hash_to_block(g).entries())
+            for g in range(len(pool.segment.config.groups))]
 
 
 def _run_workload(sim: Sim, seed: int, steps: int) -> None:

@@ -30,6 +30,7 @@ from collections.abc import Iterable, Sequence
 from kvshm.core.errors import InvalidArgument, NoFreeBlocks
 from kvshm.core.events import EventLog
 from kvshm.core.hashing import HASH_SLOT_BYTES, digest_size
+from kvshm.core.hash_map import BlockHashMap
 from kvshm.core.state import (ALLOCATED_WORD, EVICTED_WORD, FLAG_CACHED, FLAG_NULL,
     FLAG_PENDING, FLAG_SINK, FREE_WORD as _FREE, SEQ_WORD as _SEQ, STATS_WORD, SegmentState)
 
@@ -72,7 +73,7 @@ class BlockPool:
         self.digest_size = digest_size(cfg.hash_algorithm)
         self.num_cached_blocks = 0
         # group id -> {hash: block id | {block id: None, ...}}
-        self._maps: list[dict] = [{} for _ in cfg.groups]
+        self._maps: list[BlockHashMap] = [BlockHashMap() for _ in cfg.groups]
         # Prefix-cache statistics: lookups, lookups with a hit, tokens asked
         # for, tokens hit.
         self.stats = [0, 0, 0, 0]
@@ -108,13 +109,11 @@ class BlockPool:
                 self._flags[b] = FLAG_SINK
             self.publish()
 
-    def hash_to_block(self, group_id: int) -> dict:
+    def hash_to_block(self, group_id: int) -> BlockHashMap:
         """The prefix-cache index of group `group_id` itself (not a copy, and
-        the same dict for the pool's lifetime, so it may be bound once):
-        hash -> cached block id, or, when several blocks are cached under
-        one hash, an insertion-ordered dict {block id: None} whose first key
-        is the earliest cached.  For lookups; change it only through this
-        class."""
+        the same map for the pool's lifetime, so it may be bound once):
+        hash -> the earliest cached block id (kvshm.core.hash_map).  For
+        lookups; change it only through this class."""
         return self._maps[group_id]
 
     @property
@@ -246,53 +245,49 @@ class BlockPool:
         maps = self._maps
         pending = self.pending
         for g in group_ids:
-            hit = maps[g].get(block_hash)
+            m = maps[g]
+            hit = m.get(block_hash)
             if hit is None:
                 return None
             if pending:
-                hit = self.visible(hit)
+                hit = self.visible(m, block_hash, hit)
                 if hit is None:
                     return None
-                out.append(hit)
-            else:
-                out.append(hit if hit.__class__ is int else next(iter(hit)))
+            out.append(hit)
         return out
 
-    def visible(self, hit) -> int | None:
-        """The block a lookup by the current `reader` takes from an index
-        entry (a block id or an ordered dict of them): the earliest cached
+    def visible(self, m: BlockHashMap, block_hash: bytes, first: int) -> int | None:
+        """The block a lookup by the current `reader` takes from under
+        `block_hash` in `m` (`first` is `m[block_hash]`): the earliest cached
         one that is ready or pending by the reader itself, or None."""
         pending, me = self.pending, self.reader
-        if hit.__class__ is int:
-            w = pending.get(hit)
-            return hit if w is None or w == me else None
-        for b in hit:
-            w = pending.get(b)
-            if w is None or w == me:
-                return b
+        w = pending.get(first)
+        if w is None or w == me:
+            return first
+        shared = m.shared(block_hash)
+        if shared is not None:
+            for b in shared:
+                w = pending.get(b)
+                if w is None or w == me:
+                    return b
         return None
 
-    def in_flight(self, hit) -> bool:
-        """Whether an index entry holds a block another session is writing."""
+    def in_flight(self, m: BlockHashMap, block_hash: bytes, first: int) -> bool:
+        """Whether a block under `block_hash` in `m` (`first` is
+        `m[block_hash]`) is one another session is writing."""
         pending, me = self.pending, self.reader
-        if hit.__class__ is int:
-            w = pending.get(hit)
+        shared = m.shared(block_hash)
+        if shared is None:
+            w = pending.get(first)
             return w is not None and w != me
-        return any(pending.get(b, me) != me for b in hit)
+        return any(pending.get(b, me) != me for b in shared)
 
     def cache_block(self, block: int, block_hash: bytes, group_id: int,
                     pending: bool = False) -> None:
         """Record `block` (full, uncached, not null) under (hash, group);
         `pending`: its K/V are not written yet (the current reader writes
         them)."""
-        m = self._maps[group_id]
-        cur = m.get(block_hash)
-        if cur is None:
-            m[block_hash] = block
-        elif cur.__class__ is int:
-            m[block_hash] = {cur: None, block: None}
-        else:
-            cur[block] = None
+        self._maps[group_id].add(block_hash, block)
         off = block * _H
         self._hashes[off:off + len(block_hash)] = block_hash
         self._group[block] = group_id
@@ -330,12 +325,7 @@ class BlockPool:
             return
         off = b * _H
         key = bytes(self._hashes[off:off + self.digest_size])
-        m = self._maps[self._group[b]]
-        cur = m.pop(key)
-        if cur.__class__ is not int:
-            del cur[b]
-            if cur:
-                m[key] = cur if len(cur) > 1 else next(iter(cur))
+        self._maps[self._group[b]].remove(key, b)
         if self._flags[b] & FLAG_PENDING:
             self.pending.pop(b, None)
         self._flags[b] = 0
@@ -392,15 +382,9 @@ class BlockPool:
         self.num_cached_blocks = len(cached)
         for m in self._maps:
             m.clear()
+        maps = self._maps
         for b, key, g in cached:
-            m = self._maps[g]
-            cur = m.get(key)
-            if cur is None:
-                m[key] = b
-            elif cur.__class__ is int:
-                m[key] = {cur: None, b: None}
-            else:
-                cur[b] = None
+            maps[g].add(key, b)
 
     def get_usage(self) -> float:
         total = self.num_blocks - 1

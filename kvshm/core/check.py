@@ -223,9 +223,7 @@ def _check_index(pool, snap: _Snapshot, rep: CheckReport) -> None:
     dsz = pool.digest_size
     seen = 0
     for g in range(len(pool.segment.config.groups)):
-        m = pool.hash_to_block(g)
-        for key, hit in m.items():
-            blocks = [hit] if hit.__class__ is int else list(hit)
+        for key, blocks in pool.hash_to_block(g).entries():
             for b in blocks:
                 seen += 1
                 off = b * HASH_SLOT_BYTES
@@ -235,8 +233,8 @@ def _check_index(pool, snap: _Snapshot, rep: CheckReport) -> None:
                 elif bytes(snap.hashes[off:off + dsz]) != key or snap.hash_group[b] != g:
                     rep.add(f"index: hash {key.hex()[:12]} (group {g}) maps to block {b}, "
                             "which is cached under another hash or group")
-            if hit.__class__ is not int and len(hit) > 1:
-                stamps = [snap.cache_stamp[b] for b in hit]
+            if len(blocks) > 1:
+                stamps = [snap.cache_stamp[b] for b in blocks]
                 if stamps != sorted(stamps):
                     rep.add(f"index: blocks under hash {key.hex()[:12]} are not in "
                             "caching order")

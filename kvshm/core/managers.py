@@ -288,17 +288,19 @@ class FullAttentionManager(SingleTypeManager):
         pool = self.pool
         self.in_flight_tokens = 0
         if len(group_ids) == 1:
-            lookup = self._hash_to_block[group_ids[0]].get
+            index = self._hash_to_block[group_ids[0]]
+            lookup = index.get
             hit = []
             if pool.pending:
                 visible = pool.visible
                 for i in range(n):
-                    b = lookup(hashes[i])
+                    h = hashes[i]
+                    b = lookup(h)
                     if b is None:
                         break
-                    v = visible(b)
+                    v = visible(index, h, b)
                     if v is None:
-                        self.in_flight_tokens = self._in_flight(lookup, hashes, i, n)
+                        self.in_flight_tokens = self._in_flight(index, hashes, i, n)
                         break
                     hit.append(v)
             else:
@@ -306,7 +308,7 @@ class FullAttentionManager(SingleTypeManager):
                     b = lookup(hashes[i])
                     if b is None:
                         break
-                    hit.append(b if b.__class__ is int else next(iter(b)))
+                    hit.append(b)
             computed = [hit]
         else:
             computed = [[] for _ in group_ids]
@@ -325,14 +327,16 @@ class FullAttentionManager(SingleTypeManager):
                 del c[keep:]
         return computed
 
-    def _in_flight(self, lookup, hashes: list[bytes], i: int, n: int) -> int:
+    def _in_flight(self, index, hashes: list[bytes], i: int, n: int) -> int:
         """Tokens of the run of blocks from index `i` that other sessions
         are writing (cached, not ready), up to `n` blocks."""
         in_flight = self.pool.in_flight
+        lookup = index.get
         j = i
         while j < n:
-            b = lookup(hashes[j])
-            if b is None or not in_flight(b):
+            h = hashes[j]
+            b = lookup(h)
+            if b is None or not in_flight(index, h, b):
                 break
             j += 1
         return (j - i) * self.block_size
