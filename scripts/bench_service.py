@@ -70,7 +70,7 @@ from kvshm.ops.protocol import encode_frame
 from kvshm.service.handshake import make_hello
 from kvshm.service.process import CoordinatorProcess
 from kvshm.service.sync_client import open_wire_sync
-from kvshm.workload import WorkloadSpec
+from kvshm.workload.scheduler import WorkloadSpec
 from service_load import (
     Recording,
     Workers,

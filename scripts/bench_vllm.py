@@ -12,7 +12,7 @@ Workloads, routed round robin:
   (the case vLLM users running local replicas ask about); turn k of every
   conversation forms wave k (one `generate()` call per engine).
 - `rag`: documents of 800-1,500 tokens, each asked 6 questions in a row
-  (kvshm.workers.traffic.rag), so every engine gets questions on the same
+  (kvshm.workload.items.rag), so every engine gets questions on the same
   document together; the whole list arrives at once (one burst, one
   `generate()` call per engine), so an engine whose next request waits for
   a document another engine is computing can start on the next document.
@@ -47,7 +47,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import subprocess
 import sys
 import tempfile
@@ -59,9 +58,10 @@ from kvshm.config import model_pool_config
 from kvshm.core.metrics import percentile, read_metrics
 from kvshm.pool.segment import PoolSegment
 from kvshm.service.process import CoordinatorProcess
+from kvshm.vllm.engine import workload_json
 from kvshm.vllm.model import write_tiny_model
 from kvshm.workers.topology import format_cpulist, plan
-from kvshm.workers.traffic import RagSpec, rag
+from kvshm.workload.items import RagSpec, conversations as chat, rag
 
 BLOCK = 32
 WORKLOADS = ("chat", "rag", "unique")
@@ -70,33 +70,22 @@ WORKLOADS = ("chat", "rag", "unique")
 def streams(engines: int, conversations: int, turns: int, system_prompts: int,
             system_len: int, seed: int, vocab: int) -> list[dict]:
     """One workload per engine: multi-turn conversations over a few shared
-    system prompts, turn k of conversation c served by engine (c + k) % N
-    (round-robin routing: a conversation's next turn usually lands on
-    another engine), turn k of every conversation in wave k."""
-    rng = random.Random(seed)
-    systems = [[rng.randrange(3, vocab) for _ in range(system_len)]
-               for _ in range(system_prompts)]
-    out = [{"phases": [[] for _ in range(turns)]} for _ in range(engines)]
-    for c in range(conversations):
-        prompt = list(rng.choice(systems))
-        for k in range(turns):
-            prompt += [rng.randrange(3, vocab) for _ in range(rng.randrange(64, 160))]
-            out[(c + k) % engines]["phases"][k].append(
-                {"id": f"c{c}-t{k}", "prompt_ids": list(prompt), "max_tokens": 16})
-            # The assistant's answer, as the next turn's prompt carries it.
-            prompt += [rng.randrange(3, vocab) for _ in range(rng.randrange(32, 96))]
-    return out
+    system prompts (kvshm.workload.items.conversations), turn k of
+    conversation c served by engine (c + k) % N (round-robin routing: a
+    conversation's next turn usually lands on another engine), turn k of
+    every conversation in wave k; 16 tokens generated per turn."""
+    waves = [[[] for _ in range(turns)] for _ in range(engines)]
+    for n, it in enumerate(chat(conversations, turns, system_prompts, system_len,
+                                seed=seed, vocab=vocab)):
+        waves[(n // turns + it.turn) % engines][it.turn].append(it)
+    return [workload_json(w, max_tokens=16) for w in waves]
 
 
 def rag_streams(engines: int, shared: bool, seed: int, vocab: int) -> list[dict]:
-    """One workload per engine: RAG requests (traffic.rag), request i served
-    by engine i % N, all in one wave (a burst)."""
-    spec = RagSpec(seed=seed, vocab=vocab, shared=shared)
-    out = [{"phases": [[]]} for _ in range(engines)]
-    for i, it in enumerate(rag(spec)):
-        out[i % engines]["phases"][0].append({"id": it.rid, "prompt_ids": list(it.prompt),
-                                              "max_tokens": spec.output_len})
-    return out
+    """One workload per engine: RAG requests (kvshm.workload.items.rag),
+    request i served by engine i % N, all in one wave (a burst)."""
+    items = list(rag(RagSpec(seed=seed, vocab=vocab, shared=shared)))
+    return [workload_json([items[e::engines]]) for e in range(engines)]
 
 
 def one_at_a_time(work: list[dict]) -> list[dict]:

@@ -58,7 +58,7 @@ from kvshm.workers.engine_types import EngineOptions, EngineStats
 from kvshm.workers.launcher import Launch, LaunchOptions, RunResult
 from kvshm.workers.topology import Node, Plan, allowed_cpus, discover, format_cpulist
 from kvshm.workers.topology import plan as plan_nodes
-from kvshm.workers.traffic import SyntheticSpec
+from kvshm.workload.items import SyntheticSpec
 from stress_measure import (
     Probes,
     Sampler,

@@ -37,7 +37,7 @@ from kvshm.ops.protocol import encode_frame
 from kvshm.pool.manager import KVCacheManager
 from kvshm.service.process import CoordinatorProcess
 from kvshm.service.sync_client import connect_sync
-from kvshm.workload import EmbeddedBackend, WorkloadSpec, drive
+from kvshm.workload.scheduler import EmbeddedBackend, WorkloadSpec, drive
 
 
 # -- the recording ---------------------------------------------------------------
@@ -445,7 +445,7 @@ def add_ab_arguments(ap) -> None:
 def ab_workload(args) -> tuple[PoolConfig, list[Recording]]:
     """The pool config and each client's recorded workload of an A/B run."""
     from kvshm.core.specs import FullSpec
-    from kvshm.workload import WorkloadSpec
+    from kvshm.workload.scheduler import WorkloadSpec
     config = PoolConfig(num_blocks=args.num_blocks, hash_block_size=16, max_model_len=4096,
                         groups=(FullSpec(16),), max_num_seqs=1024)
     recs = [record_workload(config, WorkloadSpec(num_requests=args.requests,

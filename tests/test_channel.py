@@ -18,7 +18,7 @@ from kvshm.workers.channel import (Done, Failed, Progress, Ready, WorkerSpec, Wo
     emit, read_report)
 from kvshm.workers.engine_types import EngineOptions, EngineStats
 from kvshm.workers.launcher import Launch, LaunchOptions, RunResult, WorkerResult, make_plan
-from kvshm.workers.traffic import SyntheticSpec
+from kvshm.workload.items import SyntheticSpec
 
 
 def test_a_worker_spec_survives_its_encoding():

@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from helpers import kvshm_segments
-from kvshm.vllm.engine import shared_prefix_workload
+from kvshm.vllm.engine import in_phases, workload_json
+from kvshm.workload.items import shared_prefix
 from kvshm.vllm.model import write_tiny_model
 
 REPO = Path(__file__).resolve().parent.parent
@@ -84,7 +85,7 @@ def outputs(report: dict) -> dict[str, tuple[list[int], int]]:
 def test_embedded_pool_generates_what_vllm_s_own_manager_does(model_dir, tmp_path):
     # 16 requests over two shared prefixes, two exact duplicates, and a
     # 24-block pool: the engine preempts.
-    workload = shared_prefix_workload()
+    workload = workload_json(in_phases(shared_prefix(), 2))
     before = kvshm_segments()
     args = ("--num-blocks", "24")
     # Both publish their KV events (one hash seed: the same block hashes).
@@ -205,7 +206,7 @@ def test_an_engine_alone_on_a_pool_gets_vllm_s_hits(model_dir, tmp_path, pool):
     # Requests over two shared prefixes in two phases, two of them exact
     # duplicates: within a phase the requests sharing a prefix are scheduled
     # in one step, and all but the first hit blocks that step caches.
-    wl = shared_prefix_workload(seed=11)
+    wl = workload_json(in_phases(shared_prefix(seed=11), 2))
     own = start_engine(model_dir, wl, tmp_path, "own", pool=None,
                        extra=("--num-blocks", str(pool_stats(pool)["num_blocks"])))
     alone = run_engine(model_dir, wl, tmp_path, "alone", pool=str(pool.socket))
@@ -272,7 +273,7 @@ def test_an_engine_that_does_not_fit_the_pool_is_refused(model_dir, tmp_path, po
 def test_an_engine_rides_through_a_coordinator_restart(model_dir, tmp_path, pool):
     import threading
     import time
-    wl = shared_prefix_workload(seed=9, num_requests=12, phases=3)
+    wl = workload_json(in_phases(shared_prefix(seed=9, num_requests=12), 3))
     alone = start_engine(model_dir, wl, tmp_path, "alone", pool=None)
     marker = tmp_path / "phase"
 

@@ -21,7 +21,8 @@ from kvshm.core.specs import FullSpec, KVShape, MambaSpec, SlidingWindowSpec
 from kvshm.service.client import connect
 from kvshm.workers.engine import Engine, UnsupportedModel, check_supported
 from kvshm.workers.engine_types import EngineOptions
-from kvshm.workers.traffic import Item, SyntheticSpec, assign, synthetic
+from kvshm.workers.turns import assign
+from kvshm.workload.items import Item, SyntheticSpec, synthetic
 
 BS = 16
 SHAPE = KVShape(num_layers=2, num_kv_heads=2, head_size=16, dtype="float32")

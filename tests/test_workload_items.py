@@ -1,4 +1,4 @@
-"""workers.traffic: the synthetic chat stream (determinism, shared prefixes,
+"""kvshm.workload.items: the synthetic chat stream (determinism, shared prefixes,
 lengths), JSONL traces with their errors, and splitting a stream among workers."""
 
 from __future__ import annotations
@@ -15,18 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from kvshm.workers.traffic import (
-    Item,
-    RagSpec,
-    SyntheticSpec,
-    assign,
-    distinct_tokens,
-    load_jsonl,
-    rag,
-    synthetic,
-    tokenize,
-    write_jsonl,
-)
+from kvshm.workers.turns import assign
+from kvshm.workload.items import (Item, RagSpec, SyntheticSpec, conversations, distinct_tokens,
+    load_jsonl, rag, shared_prefix, synthetic, tokenize, write_jsonl)
 
 DATA = Path(__file__).parent / "data"
 
@@ -79,7 +70,7 @@ def test_same_seed_same_items_other_seed_differs(stream):
 
 def test_same_items_in_a_process_with_another_hash_seed(stream):
     code = ("import itertools, hashlib, sys\n"
-            "from kvshm.workers.traffic import synthetic, SyntheticSpec, tokenize\n"
+            "from kvshm.workload.items import synthetic, SyntheticSpec, tokenize\n"
             "h = hashlib.sha256()\n"
             "for it in itertools.islice(synthetic(SyntheticSpec()), 500):\n"
             "    h.update(repr((it.rid, it.prompt, it.output, it.conversation, "
@@ -421,3 +412,28 @@ def test_write_jsonl_round_trips(tmp_path):
     items = list(rag(RagSpec(num_docs=1, questions=2, doc_len=(5, 5), question_len=(2, 2))))
     assert write_jsonl(items, tmp_path / "w.jsonl") == 2
     assert load_jsonl(tmp_path / "w.jsonl") == items
+
+
+# -- the vLLM driver's and bench_vllm's shapes ---------------------------------------------
+def test_conversations_carry_each_answer_into_the_next_turn():
+    items = list(conversations(3, 4, 2, 50, seed=1))
+    assert [it.rid for it in items[:5]] == ["c0-t0", "c0-t1", "c0-t2", "c0-t3", "c1-t0"]
+    for a, b in zip(items, items[1:]):
+        if a.conversation == b.conversation:
+            assert b.prompt[:len(a.prompt) + len(a.output)] == a.prompt + a.output
+            assert 64 <= len(b.prompt) - len(a.prompt) - len(a.output) < 160
+            assert 32 <= len(a.output) < 96
+    assert min(t for it in items for t in it.prompt) >= 3
+    assert items == list(conversations(3, 4, 2, 50, seed=1))
+    assert items != list(conversations(3, 4, 2, 50, seed=2))
+
+
+def test_shared_prefix_has_shared_prompts_and_exact_duplicates():
+    items = shared_prefix(seed=5, num_requests=6, prefix_lens=(40, 30))
+    assert [it.rid for it in items] == ["r0", "r1", "r2", "r3", "r4", "r5", "dup0", "dup3"]
+    assert items[6].prompt == items[0].prompt and len(items[6].output) == 12
+    assert items[7].prompt == items[3].prompt and len(items[7].output) == 30
+    assert items[0].prompt[:40] == items[2].prompt[:40] != items[1].prompt[:40]
+    assert all(8 <= len(it.output) < 40 for it in items[:6])
+    with pytest.raises(ValueError, match="num_requests must be >= 4, got 3"):
+        shared_prefix(num_requests=3)

@@ -20,14 +20,14 @@ import msgspec
 
 from kvshm.core.hashing import DEFAULT_HASH_ALGORITHM, DEFAULT_HASH_SEED
 from kvshm.workers.engine_types import EngineOptions, EngineStats
-from kvshm.workers.traffic import RagSpec, SyntheticSpec
+from kvshm.workload.items import RagSpec, SyntheticSpec
 
 
 class WorkloadSpec(msgspec.Struct, frozen=True, kw_only=True):
     """The requests of a run, the same for every worker, which takes its
     share (`assign`: "round-robin" or "hash", which keeps a conversation on
     one worker).  `kind` "synthetic" generates `synthetic`'s chat traffic;
-    "rag" the documents and questions of `rag` (traffic.rag); "jsonl" reads
+    "rag" the documents and questions of `rag` (items.rag); "jsonl" reads
     prompts from `path` (token ids below `vocab`, cut to `max_len`).
     `limit`: only the first `limit` requests of the whole workload."""
 

@@ -28,7 +28,7 @@ A conversation's next turn arrives only once its previous turn is over
 a follow-up after reading the answer; until then it waits in `pending`,
 and its time to first token counts from its arrival.
 
-`kvshm demo` and the service benchmark schedule with kvshm/workload.py
+`kvshm demo` and the service benchmark schedule with kvshm/workload/scheduler.py
 instead, a compute-free, seed-only scheduler with the same policies: its
 docstring says why the two are kept apart; change both together.
 """
@@ -44,7 +44,7 @@ from kvshm.ops import protocol as p
 from kvshm.ops.errors import ReplyLost, ResumeFailed
 from kvshm.workers.compute import MODELS, ExactCompute, LoadOnlyCompute
 from kvshm.workers.engine_types import EngineOptions, EngineStats
-from kvshm.workers.traffic import Item
+from kvshm.workload.items import Item
 from kvshm.workers.transformer import TransformerCompute
 from kvshm.workers.turns import LocalTurns
 

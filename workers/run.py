@@ -34,7 +34,7 @@ from kvshm.workers.launcher import (
     make_plan,
 )
 from kvshm.workers.topology import describe, format_cpulist
-from kvshm.workers.traffic import distinct_tokens
+from kvshm.workload.items import distinct_tokens
 from kvshm.workers.worker import workload_stream
 
 DEFAULT_PRESET = "small"
@@ -168,12 +168,12 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
     if args.requests is not None and args.requests < 1:
         raise ValueError(f"--requests must be at least 1 (got {args.requests})")
     if args.workload == "synthetic":
-        from kvshm.workers.traffic import SyntheticSpec
+        from kvshm.workload.items import SyntheticSpec
         spec = SyntheticSpec(seed=args.seed).fit(max_len).validate()
         workload = WorkloadSpec(kind="synthetic", synthetic=spec, limit=args.requests,
                                 assign=args.assign)
     elif args.workload in ("rag", "unique"):
-        from kvshm.workers.traffic import RagSpec
+        from kvshm.workload.items import RagSpec
         spec = RagSpec(seed=args.seed, shared=args.workload == "rag").validate()
         if spec.max_item_len > max_len:
             raise ValueError(f"--workload {args.workload}: its requests reach "
@@ -184,7 +184,7 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
         if not path.is_file():
             raise ValueError(f"--workload: {path} is not a file (or say 'synthetic', 'rag' "
                              "or 'unique')")
-        from kvshm.workers.traffic import load_jsonl
+        from kvshm.workload.items import load_jsonl
         load_jsonl(path, max_len=max_len)    # bad lines fail here, not in N workers
         workload = WorkloadSpec(kind="jsonl", path=str(path.resolve()), max_len=max_len,
                                 limit=args.requests, assign=args.assign)

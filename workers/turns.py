@@ -2,7 +2,7 @@
 
 In a chat, turn k+1 of a conversation is sent after turn k's answer came
 back: its prompt holds that answer.  A workload split among workers
-(`traffic.assign`) may put the two turns on different workers, so the wait
+(`assign`, below) may put the two turns on different workers, so the wait
 crosses processes: a `TurnBoard` is a small shared-memory table, one per
 run, created by the launcher, where a worker marks a turn done once its
 request is over (its blocks cached and freed, or it was aborted or
@@ -22,9 +22,14 @@ one); a conversation more than `SLOTS` behind the newest is long over.
 
 from __future__ import annotations
 
+import dataclasses
+from collections import OrderedDict
+from collections.abc import Iterable, Iterator
+
 import numpy as np
 
 from kvshm.pool.shm import Shm, create_shm, open_shm
+from kvshm.workload.items import Item, stable_hash
 
 SLOTS = 1 << 16
 MAX_WORKERS = 4096
@@ -119,3 +124,57 @@ class LocalTurns:
 
     def close(self) -> None:
         self._done.clear()
+
+
+ASSIGN_MODES = ("round-robin", "hash")
+
+
+def assign(items: Iterable[Item], worker: int, num_workers: int,
+           how: str = "round-robin") -> Iterator[Item]:
+    """The share of a stream that one worker takes.
+
+    Args:
+        items: the stream (may be infinite; consumed lazily).
+        worker: this worker's index, 0 <= worker < num_workers.
+        num_workers: how many workers split the stream, >= 1.
+        how: "round-robin" (items worker, worker + num_workers, ...) or
+            "hash" (a stable hash of the conversation id mod num_workers, so
+            a conversation stays on one worker).
+    Returns:
+        An iterator over this worker's items, in stream order, each with
+        `key` and `after` set (the conversation's number, the worker of its
+        previous turn: see workers/turns.py).  Over all workers the shares
+        partition the stream.
+    Raises:
+        ValueError: an unknown `how`, num_workers < 1 or worker out of range
+            (raised by this call, not on first next()).
+    """
+    if how not in ASSIGN_MODES:
+        raise ValueError(f"how must be one of {ASSIGN_MODES}, got {how!r}")
+    if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
+        raise ValueError(f"num_workers must be an int >= 1, got {num_workers!r}")
+    if isinstance(worker, bool) or not isinstance(worker, int) or not 0 <= worker < num_workers:
+        raise ValueError(f"worker must be in [0, {num_workers}), got {worker!r}")
+    return _assign(items, worker, num_workers, how == "round-robin")
+
+
+def _assign(items: Iterable[Item], worker: int, num_workers: int,
+            round_robin: bool) -> Iterator[Item]:
+    # Conversations unseen for the last SLOTS conversations are
+    # forgotten (a bounded table over an endless stream): a later turn of
+    # one starts a new key and waits for nothing.
+    latest: OrderedDict[str, tuple[int, int, int]] = OrderedDict()  # -> key, turn, worker
+    next_key = 0
+    for i, it in enumerate(items):
+        w = i % num_workers if round_robin else stable_hash(it.conversation) % num_workers
+        seen = latest.pop(it.conversation, None)
+        if seen is None:
+            key, after = next_key, -1
+            next_key += 1
+            if len(latest) >= SLOTS:
+                latest.popitem(last=False)
+        else:
+            key, after = seen[0], (seen[2] if seen[1] == it.turn - 1 else -1)
+        latest[it.conversation] = (key, it.turn, w)
+        if w == worker:
+            yield dataclasses.replace(it, key=key, after=after)

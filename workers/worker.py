@@ -19,8 +19,8 @@ import time
 import msgspec
 
 from kvshm.workers.channel import Done, Failed, Progress, Ready, WorkerSpec, WorkloadSpec, emit
-from kvshm.workers.traffic import assign, load_jsonl, rag, synthetic
-from kvshm.workers.turns import TurnBoard
+from kvshm.workload.items import load_jsonl, rag, synthetic
+from kvshm.workers.turns import TurnBoard, assign
 
 
 def workload_stream(workload: WorkloadSpec):

@@ -5,7 +5,8 @@ time to first token, and the engine's prefix-cache counters.
     python -m kvshm.vllm.engine MODEL_DIR WORKLOAD.json [--out OUT.json] ...
 
 WORKLOAD.json: {"phases": [[{"id": "a", "prompt_ids": [...], "max_tokens": 8},
-...], ...]}; each phase is one `generate()` call, phases run in order
+...], ...]} (`workload_json` writes it from kvshm.workload.items); each
+phase is one `generate()` call, phases run in order
 (`--pause-file F`: before each phase after the first, wait until F exists).
 The engine runs in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0) with greedy
 sampling; with KVSHM_POOL set the kvshm plugin gives it its KV-cache
@@ -22,26 +23,25 @@ import os
 import resource
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
+from kvshm.workload.items import Item
 
-def shared_prefix_workload(seed: int = 3, num_requests: int = 14, *, vocab: int = 1000,
-                           prefix_lens: tuple[int, ...] = (150, 90),
-                           phases: int = 2) -> dict:
-    """A workload of requests over a few shared system prompts with unique
-    tails, plus exact duplicates of two of them, split into `phases`."""
-    import random
-    rng = random.Random(seed)
-    prefixes = [[rng.randrange(3, vocab) for _ in range(n)] for n in prefix_lens]
-    reqs = []
-    for i in range(num_requests):
-        tail = [rng.randrange(3, vocab) for _ in range(rng.randrange(5, 80))]
-        reqs.append({"id": f"r{i}", "prompt_ids": prefixes[i % len(prefixes)] + tail,
-                     "max_tokens": rng.randrange(8, 40)})
-    reqs.append({"id": "dup0", "prompt_ids": reqs[0]["prompt_ids"], "max_tokens": 12})
-    reqs.append({"id": "dup3", "prompt_ids": reqs[3]["prompt_ids"], "max_tokens": 30})
-    step = -(-len(reqs) // phases)
-    return {"phases": [reqs[i:i + step] for i in range(0, len(reqs), step)]}
+
+def in_phases(items: Sequence[Item], phases: int) -> list[list[Item]]:
+    """`items` cut into `phases` runs in order, each one `generate()` call
+    (all but the last of ceil(len / phases) items)."""
+    step = -(-len(items) // phases)
+    return [list(items[i:i + step]) for i in range(0, len(items), step)]
+
+
+def workload_json(phases: Sequence[Sequence[Item]], max_tokens: int | None = None) -> dict:
+    """WORKLOAD.json's content for `phases` of kvshm.workload.items `Item`s:
+    each request generates `max_tokens` tokens, or as many as its output."""
+    return {"phases": [[{"id": it.rid, "prompt_ids": list(it.prompt),
+                         "max_tokens": len(it.output) if max_tokens is None else max_tokens}
+                        for it in phase] for phase in phases]}
 
 
 def build_llm(args):

@@ -1,10 +1,16 @@
-"""Request streams for the workers: a deterministic synthetic chat workload
-with shared system prompts and multi-turn conversations, JSONL traces, and
-the split of one stream among workers.
+"""Every workload's requests, as `Item`s: the synthetic chat stream
+(`synthetic`, shared system prompts and multi-turn conversations), the RAG
+shape (`rag`: documents each asked several questions), JSONL files
+(`load_jsonl` / `write_jsonl`), conversations in waves of turns
+(`conversations`, scripts/bench_vllm.py's chat) and the vLLM plugin tests'
+shared prefixes with duplicates (`shared_prefix`).  `kvshm run`'s workers,
+the vLLM engine driver (kvshm/vllm/engine.py, `workload_json`) and the
+benchmarks all take them from here.
 
 Every process that builds the same stream gets the same items (no use of
 `hash()`, so PYTHONHASHSEED does not matter), which lets each worker generate
-the whole stream and keep its share (`assign`) without talking to the others.
+the whole stream and keep its share (workers/turns.py, `assign`) without
+talking to the others.
 """
 
 from __future__ import annotations
@@ -15,12 +21,9 @@ import hashlib
 import json
 import math
 import random
-from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-
-from kvshm.workers.turns import SLOTS
 
 
 @dataclass(frozen=True)
@@ -225,7 +228,8 @@ def _synthetic(spec: SyntheticSpec) -> Iterator[Item]:
             open_[slot] = open_conversation()
 
 
-def _stable_hash(text: str) -> int:
+def stable_hash(text: str) -> int:
+    """A 64-bit hash of `text`, the same in every process (blake2b)."""
     return int.from_bytes(hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest(), "big")
 
 
@@ -243,7 +247,14 @@ def tokenize(text: str, vocab: int = 32000) -> tuple[int, ...]:
     """
     if vocab < 1:
         raise ValueError(f"vocab must be >= 1, got {vocab}")
-    return tuple(_stable_hash(word) % vocab for word in text.split())
+    return tuple(stable_hash(word) % vocab for word in text.split())
+
+
+def drawn_output(rid: str, n: int, vocab: int) -> tuple[int, ...]:
+    """`n` output tokens for request `rid` where a workload gives only a
+    length: drawn from a generator seeded by the id (the same everywhere)."""
+    gen = random.Random(f"output:{rid}")     # str seeds hash with sha512
+    return tuple(gen.choices(range(vocab), k=n))
 
 
 def _ids(value: object, key: str, where: str) -> tuple[int, ...]:
@@ -341,8 +352,7 @@ def load_jsonl(path: str | Path, *, vocab: int = 32000, default_output_len: int 
                 n = obj.get("output_len", default_output_len)
                 if isinstance(n, bool) or not isinstance(n, int) or n < 0:
                     raise ValueError(f"{where}: 'output_len' must be an int >= 0, got {n!r}")
-                gen = random.Random(f"output:{rid}")     # str seeds hash with sha512
-                output = tuple(gen.choices(range(vocab), k=n))
+                output = drawn_output(rid, n, vocab)
 
             if len(prompt) + len(output) > max_len:
                 raise ValueError(f"{where}: prompt ({len(prompt)}) + output ({len(output)}) "
@@ -352,60 +362,6 @@ def load_jsonl(path: str | Path, *, vocab: int = 32000, default_output_len: int 
             turns[conversation] = turn + 1
             items.append(Item(rid, prompt, output, conversation, turn))
     return items
-
-
-ASSIGN_MODES = ("round-robin", "hash")
-
-
-def assign(items: Iterable[Item], worker: int, num_workers: int,
-           how: str = "round-robin") -> Iterator[Item]:
-    """The share of a stream that one worker takes.
-
-    Args:
-        items: the stream (may be infinite; consumed lazily).
-        worker: this worker's index, 0 <= worker < num_workers.
-        num_workers: how many workers split the stream, >= 1.
-        how: "round-robin" (items worker, worker + num_workers, ...) or
-            "hash" (a stable hash of the conversation id mod num_workers, so
-            a conversation stays on one worker).
-    Returns:
-        An iterator over this worker's items, in stream order, each with
-        `key` and `after` set (the conversation's number, the worker of its
-        previous turn: see workers/turns.py).  Over all workers the shares
-        partition the stream.
-    Raises:
-        ValueError: an unknown `how`, num_workers < 1 or worker out of range
-            (raised by this call, not on first next()).
-    """
-    if how not in ASSIGN_MODES:
-        raise ValueError(f"how must be one of {ASSIGN_MODES}, got {how!r}")
-    if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
-        raise ValueError(f"num_workers must be an int >= 1, got {num_workers!r}")
-    if isinstance(worker, bool) or not isinstance(worker, int) or not 0 <= worker < num_workers:
-        raise ValueError(f"worker must be in [0, {num_workers}), got {worker!r}")
-    return _assign(items, worker, num_workers, how == "round-robin")
-
-
-def _assign(items: Iterable[Item], worker: int, num_workers: int,
-            round_robin: bool) -> Iterator[Item]:
-    # Conversations unseen for the last turns.SLOTS conversations are
-    # forgotten (a bounded table over an endless stream): a later turn of
-    # one starts a new key and waits for nothing.
-    latest: OrderedDict[str, tuple[int, int, int]] = OrderedDict()  # -> key, turn, worker
-    next_key = 0
-    for i, it in enumerate(items):
-        w = i % num_workers if round_robin else _stable_hash(it.conversation) % num_workers
-        seen = latest.pop(it.conversation, None)
-        if seen is None:
-            key, after = next_key, -1
-            next_key += 1
-            if len(latest) >= SLOTS:
-                latest.popitem(last=False)
-        else:
-            key, after = seen[0], (seen[2] if seen[1] == it.turn - 1 else -1)
-        latest[it.conversation] = (key, it.turn, w)
-        if w == worker:
-            yield dataclasses.replace(it, key=key, after=after)
 
 
 @dataclass(frozen=True)
@@ -467,6 +423,48 @@ def _rag(spec: RagSpec) -> Iterator[Item]:
             out = tuple(rng.choices(vocab, k=spec.output_len))
             rid = f"d{d}-q{q}"
             yield Item(rid, doc + question, out, rid, 0)
+
+
+def conversations(num: int, turns: int, system_prompts: int, system_len: int, *,
+                  seed: int = 0, vocab: int = 1000) -> Iterator[Item]:
+    """`num` conversations of `turns` turns each over `system_prompts` shared
+    system prompts of `system_len` tokens, conversation by conversation:
+    turn k's prompt is turn k-1's prompt + its answer (`output`, 32-96
+    tokens) + 64-160 new user tokens.  Ids "c<conversation>-t<turn>"; token
+    ids from 3 (0-2 stay clear of a model's special ids); deterministic."""
+    rng = random.Random(seed)
+    systems = [[rng.randrange(3, vocab) for _ in range(system_len)]
+               for _ in range(system_prompts)]
+    for c in range(num):
+        prompt = list(rng.choice(systems))
+        for k in range(turns):
+            prompt += [rng.randrange(3, vocab) for _ in range(rng.randrange(64, 160))]
+            answer = tuple(rng.randrange(3, vocab) for _ in range(rng.randrange(32, 96)))
+            yield Item(f"c{c}-t{k}", tuple(prompt), answer, f"c{c}", k)
+            prompt += answer
+
+
+def shared_prefix(seed: int = 3, num_requests: int = 14, *, vocab: int = 1000,
+                  prefix_lens: tuple[int, ...] = (150, 90)) -> list[Item]:
+    """Requests over a few shared system prompts (`prefix_lens` tokens each,
+    request i on prompt i mod their number) with unique tails of 5-79
+    tokens and outputs of 8-39, then exact duplicates of requests 0 and 3
+    ("dup0" with 12 output tokens, "dup3" with 30); token ids from 3.
+    Raises ValueError below 4 requests (dup3 needs request 3)."""
+    if num_requests < 4:
+        raise ValueError(f"num_requests must be >= 4, got {num_requests}")
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(3, vocab) for _ in range(n)] for n in prefix_lens]
+    items = []
+    for i in range(num_requests):
+        tail = [rng.randrange(3, vocab) for _ in range(rng.randrange(5, 80))]
+        rid = f"r{i}"
+        n = rng.randrange(8, 40)
+        items.append(Item(rid, tuple(prefixes[i % len(prefixes)] + tail),
+                          drawn_output(rid, n, vocab), rid, 0))
+    for rid, of, n in (("dup0", 0, 12), ("dup3", 3, 30)):
+        items.append(Item(rid, items[of].prompt, drawn_output(rid, n, vocab), rid, 0))
+    return items
 
 
 def write_jsonl(items: Iterable[Item], path: str | Path) -> int:
