@@ -33,7 +33,7 @@ from kvshm.core.specs import (
     SinkFullSpec,
     SlidingWindowSpec,
 )
-from kvshm.pool.manager import KVCacheManager
+from kvshm.pool.kv_cache_manager import KVCacheManager
 from kvshm.pool.segment import PoolSegment
 # The clients and the service's errors load on first use (PEP 562), so that
 # `import kvshm` stays quick for processes that start often (every

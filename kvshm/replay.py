@@ -24,7 +24,7 @@ import msgspec
 from kvshm.core.specs import CrossAttentionSpec, PoolConfig
 from kvshm.ops import protocol as p
 from kvshm.ops.executor import OpExecutor
-from kvshm.pool.manager import KVCacheManager
+from kvshm.pool.kv_cache_manager import KVCacheManager
 
 FREE_HEAD_LEN = 64
 

@@ -34,7 +34,7 @@ from kvshm.core.specs import PoolConfig
 from kvshm.ops import protocol as p
 from kvshm.ops.executor import OpExecutor
 from kvshm.ops.protocol import encode_frame
-from kvshm.pool.manager import KVCacheManager
+from kvshm.pool.kv_cache_manager import KVCacheManager
 from kvshm.service.process import CoordinatorProcess
 from kvshm.service.sync_client import connect_sync
 from kvshm.workload.scheduler import EmbeddedBackend, WorkloadSpec, drive

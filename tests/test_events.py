@@ -26,7 +26,7 @@ from kvshm.core.events import (
 )
 from kvshm.core.request import Request
 from kvshm.core.specs import FullSpec, SlidingWindowSpec
-from kvshm.pool.manager import KVCacheManager
+from kvshm.pool.kv_cache_manager import KVCacheManager
 from kvshm.replay import (
     events_trace,
     first_event_difference,

@@ -203,7 +203,7 @@ def test_pool_source_from_command_line_arguments():
 
 def test_pool_bytes_is_what_the_pool_and_its_arena_take(pool_name):
     from kvshm.pool.arena import KVArena, arena_name
-    from kvshm.pool.manager import KVCacheManager
+    from kvshm.pool.kv_cache_manager import KVCacheManager
     config = preset_config("tiny", num_blocks=64)
     with KVCacheManager(config, name=pool_name) as mgr:
         arena = KVArena.create(config, arena_name(pool_name))

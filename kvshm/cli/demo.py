@@ -12,7 +12,7 @@ from kvshm.cli import replay
 from kvshm.core import fmt
 from kvshm.core.check import check_segment
 from kvshm.core.specs import FullSpec, PoolConfig
-from kvshm.pool.manager import KVCacheManager
+from kvshm.pool.kv_cache_manager import KVCacheManager
 from kvshm.workload.scheduler import WorkloadSpec, run_workload
 
 HELP = "run a synthetic workload on an embedded pool"

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from kvshm.core.block_pool import BlockPool
 from kvshm.core.journal import Journal
-from kvshm.core.manager import KVCacheManagerCore
+from kvshm.core.kv_cache_manager import KVCacheManagerCore
 from kvshm.core.table import RequestTable
 
 CRASH_EXIT_CODE = 86

@@ -49,7 +49,7 @@ from kvshm.ops.owner import Owner, ReqState
 from kvshm.ops.protocol import encode_frame
 from kvshm.ops.sessions import SessionTable
 from kvshm.ops.tenants import TenantBook, check_request_id, unscoped
-from kvshm.pool.manager import KVCacheManager
+from kvshm.pool.kv_cache_manager import KVCacheManager
 
 log = logging.getLogger("kvshm.coordinator")
 

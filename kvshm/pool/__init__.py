@@ -2,7 +2,7 @@
 the segment itself (segment.py) over POSIX shared memory (shm.py: every OS
 refusal to open one becomes a SegmentError), the KV data arena (arena.py)
 and where its pages go (numa.py), the allocator on a segment
-(manager.py: `KVCacheManager`), a pool's statistics read from its segment
+(kv_cache_manager.py: `KVCacheManager`), a pool's statistics read from its segment
 (stats.py), and a coordinator's pool lifecycle: create, adopt, remove, and
 what a pool takes in /dev/shm (lifecycle.py).
 

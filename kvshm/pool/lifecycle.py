@@ -19,7 +19,7 @@ from kvshm.core.errors import SegmentError
 from kvshm.core.recovery import RepairReport, repair
 from kvshm.core.specs import PoolConfig
 from kvshm.pool.layout import Layout
-from kvshm.pool.manager import KVCacheManager
+from kvshm.pool.kv_cache_manager import KVCacheManager
 from kvshm.pool.segment import PoolSegment, remove_segment, segment_info
 from kvshm.pool.shm import check_shm_space, lock_segment
 

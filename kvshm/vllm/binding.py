@@ -21,7 +21,7 @@ from typing import Protocol
 from kvshm.core.errors import ConfigError, PoolRefused
 from kvshm.core.hashing import BlockHasher, VLLM_HASH_ALGORITHMS
 from kvshm.core.specs import PoolConfig, is_pythonhashseed
-from kvshm.pool.manager import KVCacheManager
+from kvshm.pool.kv_cache_manager import KVCacheManager
 
 log = logging.getLogger("kvshm.vllm")
 

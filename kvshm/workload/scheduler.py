@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 from kvshm.ops import protocol as p
 from kvshm.ops.errors import raise_reply
 from kvshm.ops.executor import OpExecutor
-from kvshm.pool.manager import KVCacheManager
+from kvshm.pool.kv_cache_manager import KVCacheManager
 
 
 @dataclass(frozen=True)

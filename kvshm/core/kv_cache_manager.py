@@ -5,8 +5,8 @@ Same API and semantics as vLLM v1's KVCacheManager, with block ids (ints)
 instead of block objects, state in a segment of flat arrays (core/state.py
 says what they mean), and typed errors (raised before anything changes)
 instead of asserts for caller mistakes.  `kvshm.KVCacheManager`
-(kvshm/pool/manager.py) is this class on a shared-memory segment that it
-creates or adopts.
+(kvshm/pool/kv_cache_manager.py) is this class on a shared-memory segment
+that it creates or adopts.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from collections.abc import Iterable
 from kvshm.core.block_pool import BlockPool
 from kvshm.core.errors import InvalidArgument, RequestTooLong, StaleHits
 from kvshm.core.events import Event, EventLog
-from kvshm.core.groups import BlockIds, any_blocks, make_group_logic
+from kvshm.core.group_logic import BlockIds, any_blocks, make_group_logic
 from kvshm.core.hashing import BlockHasher
 from kvshm.core.recovery import RepairReport, repair
 from kvshm.core.request import Request

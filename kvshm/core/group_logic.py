@@ -12,7 +12,7 @@ import math
 from collections.abc import Sequence
 
 from kvshm.core.block_pool import BlockPool
-from kvshm.core.managers import CrossAttentionManager, SingleTypeManager, make_manager
+from kvshm.core.attention_managers import CrossAttentionManager, SingleTypeManager, make_manager
 from kvshm.core.request import Request
 from kvshm.core.specs import FULL_ATTENTION_TYPES, PoolConfig, attention_types
 from kvshm.core.table import RequestTable

@@ -1,14 +1,15 @@
 """`KVCacheManager`: the allocator on a pool segment in shared memory, one it
 creates (embedded mode, or a coordinator's new pool) or one it adopts.
 
-The allocator itself is kvshm/core/manager.py (`KVCacheManagerCore`), which
-works on whatever segment it is given; this class gives it a `PoolSegment`.
+The allocator itself is kvshm/core/kv_cache_manager.py
+(`KVCacheManagerCore`), which works on whatever segment it is given; this
+class gives it a `PoolSegment`.
 """
 
 from __future__ import annotations
 
 from kvshm.core.errors import InvalidArgument
-from kvshm.core.manager import KVCacheManagerCore
+from kvshm.core.kv_cache_manager import KVCacheManagerCore
 from kvshm.core.specs import PoolConfig
 from kvshm.pool.segment import PoolSegment
 
