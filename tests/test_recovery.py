@@ -19,9 +19,17 @@ from kvshm.core.check import check_segment
 from kvshm.ops import protocol as p
 from kvshm.ops.errors import ConnectionLost, Forbidden
 from kvshm.pool.segment import PoolSegment, segment_info
+from kvshm.pool.shm import SHM_DIR
 from kvshm.service.client import connect, open_wire
 from kvshm.service.process import CoordinatorProcess
 from kvshm.service.resume import Reconnect
+
+
+def segment_bytes(name: str) -> bytes:
+    """The pool segment's bytes, read from /dev/shm as any process can."""
+    with open(os.path.join(SHM_DIR, name), "rb") as f:
+        return f.read()
+
 
 CFG = make_config(num_blocks=64, max_num_seqs=16)
 FAST = Reconnect(initial_delay=0.01, max_delay=0.2, timeout=20)
@@ -131,17 +139,13 @@ async def test_a_bad_resume_token_starts_a_fresh_session(pool_name, token):
 def test_a_config_mismatch_at_adoption_is_refused_and_names_the_fields(pool_name, sockdir):
     with CoordinatorProcess(CFG, name=pool_name) as proc:
         proc.kill()
-        seg = PoolSegment.attach(pool_name)
-        before = bytes(seg._shm.buf)
-        seg.close()
+        before = segment_bytes(pool_name)
         other = CFG.replace(num_blocks=128, max_model_len=32)
         res = _serve(other, pool_name, sockdir / "s.sock")
         assert res.returncode == 2, res.stderr
         assert "num_blocks: 64 -> 128" in res.stderr and "max_model_len" in res.stderr
         assert "--fresh" in res.stderr and "Traceback" not in res.stderr
-        seg = PoolSegment.attach(pool_name)
-        assert bytes(seg._shm.buf) == before        # untouched
-        seg.close()
+        assert segment_bytes(pool_name) == before   # untouched
         fresh = subprocess.Popen(
             [sys.executable, "-m", "kvshm", "serve", "--config",
              str(sockdir / f"{pool_name}.json"), "--name", pool_name, "--socket",
@@ -170,12 +174,10 @@ def test_a_corrupted_pool_is_refused_with_its_problems_and_left_untouched(pool_n
         seg = PoolSegment.attach(pool_name)
         seg.ref_cnt[1] += 5                         # derived: repair could fix this ...
         seg.tables[0][0] = 9999                     # ... not a row naming no block
-        before = bytes(seg._shm.buf)
         seg.close()
+        before = segment_bytes(pool_name)
         res = _serve(CFG, pool_name, sockdir / "s.sock")
-        seg = PoolSegment.attach(pool_name)
-        after = bytes(seg._shm.buf)
-        seg.close()
+        after = segment_bytes(pool_name)
     assert res.returncode == 2, res.stderr
     assert "cannot be repaired" in res.stderr and "--fresh" in res.stderr
     assert after == before

@@ -131,7 +131,7 @@ def test_bfloat16_cast_rounds_once():
     half = np.uint64(1 << 44)
     up = (rem > half) | ((rem == half) & ((keep & np.uint64(1)) == 1))
     expected = ((keep + up.astype(np.uint64)) << np.uint64(45)).view(np.float64)
-    got = wm._cast(x, np.dtype(ml_dtypes.bfloat16)).astype(np.float64)
+    got = wm.round_to_dtype(x, np.dtype(ml_dtypes.bfloat16)).astype(np.float64)
     assert np.array_equal(got.view(np.uint64), expected.view(np.uint64))
     assert got[-7] == 1 + 2**-7  # above the tie: a double rounding would give 1.0
 
@@ -569,6 +569,6 @@ def test_half_widening_is_exact_for_every_bit_pattern():
         arena = values.view(np.float16).reshape(-1, 1, 2, 8, 2, 4)  # [nb, L, 2, bs, H, D]
         tile = np.arange(arena.shape[0])
         out = np.empty((2, 1, tile.size, 8, 2, 4), dtype=np.float32)
-        wa._widen(arena, tile, out)
+        wa.widen_blocks(arena, tile, out)
         expected = arena.transpose(2, 1, 0, 3, 4, 5).astype(np.float32)
         assert np.array_equal(out.view(np.uint32), expected.view(np.uint32))

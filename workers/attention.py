@@ -265,7 +265,7 @@ def paged_attention(q: np.ndarray, kv_arena: np.ndarray, block_ids, block_size: 
         tile = ids[t0 : t0 + tb]
         nb = tile.size
         out = buf[:, :, :nb]
-        _widen(kv_arena, tile, out)  # K and V as float32 [2, L, nb, bs, H, D]
+        widen_blocks(kv_arena, tile, out)  # K and V as float32 [2, L, nb, bs, H, D]
         # [L, H, T, D] views (row stride H*D, still fine for BLAS)
         kt = out[0].reshape(L, nb * bs, H, D).transpose(0, 2, 1, 3)
         vt = out[1].reshape(L, nb * bs, H, D).transpose(0, 2, 1, 3)
@@ -295,7 +295,7 @@ _HALF_REBIAS = np.float32(2.0**112)
 _HALF_EXP = np.uint16(0x7C00)
 
 
-def _widen(kv_arena: np.ndarray, tile: np.ndarray, out: np.ndarray) -> None:
+def widen_blocks(kv_arena: np.ndarray, tile: np.ndarray, out: np.ndarray) -> None:
     """Gather blocks ``tile`` of the arena and widen them exactly into float32
     ``out`` [2, L, nb, bs, H, D]. numpy's own half -> float cast is scalar and
     slow; the integer bit tricks below give identical values faster."""

@@ -62,7 +62,7 @@ def _supported_dtype(dtype) -> np.dtype:
     return dt
 
 
-def _cast(x: np.ndarray, dtype: np.dtype) -> np.ndarray:
+def round_to_dtype(x: np.ndarray, dtype: np.dtype) -> np.ndarray:
     """Round float64 ``x`` to ``dtype`` once, to nearest-even.
 
     numpy casts float64 to float32/float16 correctly rounded. ml_dtypes casts
@@ -337,7 +337,8 @@ class TinyModel:
         k = self._rope(k, start)
         k *= self.scale
         v *= self.scale
-        return _cast(k, self.dtype), _cast(v, self.dtype), Context(start + n, state)
+        dt = self.dtype
+        return round_to_dtype(k, dt), round_to_dtype(v, dt), Context(start + n, state)
 
     def query(self, token: int, pos: int, ctx: Context) -> np.ndarray:
         """Query vector of ``token`` at position ``pos``, for decode attention.
