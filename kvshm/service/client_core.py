@@ -1,7 +1,8 @@
 """What the asyncio client (client.py) and the synchronous one
 (sync_client.py) share, written once: the protocol's operations
-(`Operations`), the reconnect schedule (`Backoff`) and the frames in flight
-with how they are settled after a coordinator restart (`InFlight`).
+(`Operations`), the session state both keep (`ClientSession`, their base),
+the reconnect schedule (`Backoff`) and the frames in flight with how they
+are settled after a coordinator restart (`InFlight`).
 
 Nothing here waits or does I/O: the clients differ only in how they send a
 frame and wait for its reply.  `Operations` builds each op's message and
