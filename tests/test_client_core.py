@@ -67,7 +67,7 @@ def test_a_resume_keeps_the_last_applied_reply_loses_earlier_ones_and_resends_th
     # Lost replies' requests are forgotten (the restore releases them); the
     # kept one's is recorded.
     assert "a" not in mirror and "b" not in mirror and "c" in mirror
-    assert flight.unsent() == [d] and not d.settled
+    assert flight.to_resend() == [d] and not d.settled
     assert flight.number(d) and d.seq == 4   # numbering goes on after last_seq
 
 

@@ -46,7 +46,7 @@ class SingleTypeManager:
         # are writing), for the full-attention search.
         self.in_flight_tokens = 0
         # Every group's prefix-cache index, bound once: the pool keeps each
-        # group's dict for its lifetime.
+        # group's BlockHashMap for its lifetime.
         self._hash_to_block = [pool.hash_to_block(g) for g in range(len(config.groups))]
         # Tokens of extra slots this type allocates beyond the need (Mamba's
         # speculative blocks).

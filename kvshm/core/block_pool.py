@@ -72,7 +72,7 @@ class BlockPool:
         self._journal = segment.journal
         self.digest_size = digest_size(cfg.hash_algorithm)
         self.num_cached_blocks = 0
-        # group id -> {hash: block id | {block id: None, ...}}
+        # group id -> its prefix-cache index (hash -> earliest cached block)
         self._maps: list[BlockHashMap] = [BlockHashMap() for _ in cfg.groups]
         # Prefix-cache statistics: lookups, lookups with a hit, tokens asked
         # for, tokens hit.
@@ -380,9 +380,9 @@ class BlockPool:
         the stamp of their caching, so 'earliest cached wins' survives)."""
         cached = self.cached_blocks()
         self.num_cached_blocks = len(cached)
-        for m in self._maps:
-            m.clear()
         maps = self._maps
+        for m in maps:
+            m.clear()
         for b, key, g in cached:
             maps[g].add(key, b)
 

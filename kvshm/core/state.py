@@ -39,7 +39,11 @@ HEADER_WORDS = {
     "num_requests": 18,
     "undo_len": 21,            # words of the open frame's undo log (0: none)
     "frame_cache_stamp": 22,   # the cache stamp at the open frame's start
-    "blocks_allocated": 24,    # pool churn, not journaled
+    # Pool churn since the pool was created (BlockPool): blocks handed out by
+    # allocations, and cached blocks whose hash was dropped (evicted to reuse
+    # the block, or by evict_blocks).  Not journaled: a frame a crash cut off
+    # and repair rolled back stays counted.
+    "blocks_allocated": 24,
     "blocks_evicted": 25,
 }
 SEQ_WORD = HEADER_WORDS["mutation_seq"]
@@ -101,6 +105,8 @@ class SegmentState(Protocol):
     tables: list[memoryview]
     journal: object
 
+    def read_consistent(self, read, timeout: float = ..., *, pause: float = ...,
+                        torn_ok: bool = False): ...
     def get(self, field: str): ...
     def set(self, field: str, value) -> None: ...
     def begin_mutation(self) -> None: ...

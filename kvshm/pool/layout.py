@@ -46,8 +46,8 @@ import struct
 from kvshm.core.hashing import HASH_SLOT_BYTES
 from kvshm.core.metrics import METRICS_WORDS
 from kvshm.core.specs import PoolConfig
-from kvshm.core.state import (REPLY_BYTES, RID_BYTES, SESSION_SLOTS, SESSION_WORDS,
-    SLOT_META_FIELDS, undo_words)
+from kvshm.core.state import (HEADER_WORDS, REPLY_BYTES, RID_BYTES, SESSION_SLOTS,
+    SESSION_WORDS, SLOT_META_FIELDS, undo_words)
 
 MAGIC = b"KVSHMPL\0"
 # The KV data arena (arena.py) shares the pool header's first fields
@@ -57,7 +57,9 @@ ARENA_MAGIC = b"KVSHMKV\0"
 LAYOUT_VERSION = 4
 # The pool header's fixed fields: name -> (offset, struct format).  The KV
 # arena writes the leading ones (up to coordinator_pid) at the same offsets.
-HEADER_FIELDS = {
+# The words the allocator keeps (the mutation counter, the counters, the
+# undo words, pool churn) lie where core/state.py's HEADER_WORDS says.
+HEADER_FIELDS = {**{field: (8 * word, "Q") for field, word in HEADER_WORDS.items()},
     "magic": (0, "8s"),
     "layout_version": (8, "I"),
     "header_size": (12, "I"),
@@ -67,29 +69,11 @@ HEADER_FIELDS = {
     "num_groups": (72, "I"),
     "num_slots": (76, "I"),
     "generation": (80, "Q"),
-    "mutation_seq": (88, "Q"),
     "coordinator_pid": (96, "Q"),
-    # Written by the owner as they change (see BlockPool).
-    "num_free_blocks": (104, "Q"),
-    "queries": (112, "Q"),
-    "hits": (120, "Q"),
-    "query_tokens": (128, "Q"),
-    "hit_tokens": (136, "Q"),
-    "num_requests": (144, "Q"),
     "created_ns": (152, "Q"),
     "config_len": (160, "I"),
-    # Recovery: words of the open frame's undo log (0: none), the
-    # cache stamp at its start, and when the current coordinator took the
-    # pool over (its uptime).
-    "undo_len": (168, "Q"),
-    "frame_cache_stamp": (176, "Q"),
+    # When the current coordinator took the pool over (its uptime).
     "started_ns": (184, "Q"),
-    # Pool churn since the pool was created (BlockPool): blocks handed out by
-    # allocations, and cached blocks whose hash was dropped (evicted to reuse
-    # the block, or by evict_blocks).  Not journaled: a frame a crash cut
-    # off and repair rolled back stays counted.
-    "blocks_allocated": (192, "Q"),
-    "blocks_evicted": (200, "Q"),
 }
 HEADER_FIXED = 256
 COUNTER_FIELDS = ("num_free_blocks", "queries", "hits", "query_tokens", "hit_tokens",

@@ -219,7 +219,7 @@ class Client(ClientSession):
                 _deliver(call)
             for frame in self.requests.restore_frames(welcome.requests):
                 await self._restore(frame)
-            for call in flight.unsent():    # not applied: send again, in order
+            for call in flight.to_resend():    # not applied: send again, in order
                 self._write(call)
             self.restarts.append((lost_at, time.monotonic()))
             self._resumed.set()

@@ -91,8 +91,8 @@ class InFlight:
         call.seq = self.seq
         return call.frame
 
-    def unsent(self) -> list[Call]:
-        """Calls waiting to go out again after a resume, in order."""
+    def to_resend(self) -> list[Call]:
+        """The calls a resume found not applied, to go out again in order."""
         return list(self.calls)
 
     def answered(self, reply) -> Call:

@@ -231,7 +231,7 @@ class SyncClient(ClientSession):
                     wire.send(flight.number(restore))
                     self._wait(restore, policy.connect_timeout)
                     check_restored(restore.reply)
-                for call in flight.unsent():    # not applied: send again, in order
+                for call in flight.to_resend():    # not applied: send again, in order
                     wire.send(flight.number(call))
             except (ConnectionLost, ProtocolError):
                 if self._lost is not None:      # the coordinator shut down
