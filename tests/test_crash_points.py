@@ -327,6 +327,20 @@ async def random_script(c, d, pool_name: str, seed: int) -> list:
 def test_a_random_crash_in_a_random_workload(k):
     seed = int(os.environ.get("KVSHM_CRASH_SEED", random.randrange(2**31))) + k
     print(f"\nrandom crash seed {seed} (KVSHM_CRASH_SEED={seed - k} repeats it)")
+    _random_case(seed)
+
+
+# Seeds that once diverged, kept as fixed cases.  Both crashed a pool where
+# a request hit blocks another request of its session had cached pending;
+# adoption gave the blocks to the wrong request (the segment now keeps the
+# writer: core/state.py).  (What a seed draws follows REACHABLE, so a
+# change to the traced points makes these different cases.)
+@pytest.mark.parametrize("seed", [842998843, 270893616])
+def test_a_random_crash_that_once_diverged(seed):
+    _random_case(seed)
+
+
+def _random_case(seed: int) -> None:
     rng = random.Random(seed)
     targets = [pt for _, pt in REACHABLE]
     spec = CrashSpec(f"{rng.choice(targets)}:{rng.choice(('before', 'after'))}",

@@ -12,9 +12,12 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from helpers import check_pool, make_config, tokens
 from kvshm import KVCacheManager, Request
 from kvshm.core.check import check_segment
+from kvshm.core.specs import SlidingWindowSpec
 from kvshm.core.state import FLAG_CACHED, FLAG_PENDING
 from kvshm.ops import protocol as p
 from kvshm.ops.executor import OpExecutor
@@ -115,8 +118,9 @@ def test_check_finds_bad_marks_and_adoption_repairs_them(tmp_path):
         problems = check_segment(mgr.segment).problems
         assert any("pending but not cached" in m for m in problems)
         assert any(f"pending block {free_block} is held by no request" in m for m in problems)
-        # A restarted coordinator rebuilds the index from the rows (the
-        # writer is the row's session) and uncaches what no row holds.
+        # A restarted coordinator rebuilds the index from the writers' rows
+        # (the writer's session is its row's) and uncaches what no writer
+        # holds.
         seg = PoolSegment.attach(mgr.segment.name)
         flags[free_block] = FLAG_CACHED | FLAG_PENDING
         adopted = KVCacheManager(segment=seg, track_ready=True)
@@ -130,6 +134,91 @@ def test_check_finds_bad_marks_and_adoption_repairs_them(tmp_path):
             seg.close()
     finally:
         mgr.close()
+
+
+def _adopt(mgr) -> KVCacheManager:
+    """The pool as a restarted coordinator takes it over."""
+    return KVCacheManager(segment=PoolSegment.attach(mgr.segment.name), track_ready=True)
+
+
+@pytest.mark.parametrize("first_freed", ["writer", "sharer"])
+def test_adoption_gives_pending_blocks_to_the_request_that_cached_them(first_freed):
+    # "b" of the writer's session hits the blocks "a" cached pending (adoption
+    # visits slots last first: "b"'s first); after a restart freeing "a"
+    # must still uncache them, and freeing "b" must not.
+    prompt = tokens(0, 14)
+    with _mgr() as mgr:
+        _, new = _write(mgr, 7, "a", prompt)              # slot 0: 3 blocks pending
+        mgr.block_pool.reader = 7
+        sharer = _req(mgr, "b", prompt)
+        hits, n = mgr.get_computed_blocks(sharer)
+        assert n == 12
+        mgr.allocate_slots(sharer, 2, n, hits)            # slot 1 holds them as hits
+        for rid in ("a", "b"):
+            mgr.table.set_owner(rid, 7)
+        assert mgr.table.slot_of == {"a": 0, "b": 1}
+        assert [mgr.segment.writer[b] for b in new[:3]] == [0, 0, 0]
+        adopted = _adopt(mgr)
+        try:
+            pool = adopted.block_pool
+            assert pool.pending == {b: 7 for b in new[:3]}
+            assert check_segment(adopted.segment, pool).clean
+            if first_freed == "writer":
+                adopted.free("a")
+                assert not pool.pending and pool.num_dropped_pending == 3
+                assert _lookup(adopted, 8, "y", prompt) == ([], 0, 0)
+            else:
+                adopted.free("b")
+                assert pool.pending == {b: 7 for b in new[:3]}
+                assert _lookup(adopted, 8, "y", prompt) == ([], 0, 12)
+            assert check_segment(adopted.segment, pool).clean
+        finally:
+            adopted.segment.close()
+
+
+def test_check_finds_a_pending_block_its_writer_does_not_hold():
+    prompt = tokens(0, 14)
+    with _mgr() as mgr:
+        _, new = _write(mgr, 7, "a", prompt)
+        _, other = _write(mgr, 7, "b", tokens(200, 204))    # one more block pending
+        mgr.segment.writer[new[0]] = mgr.table.slot_of["b"]      # not "b"'s block
+        problems = check_segment(mgr.segment).problems
+        assert problems == [f"pending block {new[0]}: its writer (request slot 1) does not "
+                            "hold it in the cached part of its row"]
+        # Adoption uncaches it: no request will ever report its K/V.
+        adopted = _adopt(mgr)
+        try:
+            assert sorted(adopted.block_pool.pending) == new[1:3] + other
+            assert adopted.block_pool.block_hash(new[0]) is None
+            assert check_segment(adopted.segment, adopted.block_pool).clean
+        finally:
+            adopted.segment.close()
+
+
+def test_a_pending_block_that_leaves_the_window_is_uncached():
+    cfg = make_config(groups=(SlidingWindowSpec(4, sliding_window=8),), num_blocks=64,
+                      max_num_seqs=4)
+    with KVCacheManager(cfg, track_ready=True) as mgr:
+        mgr.block_pool.reader = 1
+        req = _req(mgr, "a", tokens(0, 40))
+        [new] = mgr.allocate_slots(req, 24)               # 6 blocks, all pending
+        mgr.table.set_owner("a", 1)
+        assert sorted(mgr.block_pool.pending) == sorted(new)
+        req.num_computed_tokens = 24
+        # Computed past the window, not reported: the blocks it no longer
+        # attends to will never be reported, so they are uncached (freed
+        # too: nothing else holds them).
+        [more] = mgr.allocate_slots(req, 4)
+        gone = [b for b in new if mgr.block_pool.block_hash(b) is None]
+        assert gone == new[:4] and sorted(mgr.block_pool.pending) == new[4:] + more
+        assert mgr.block_pool.num_dropped_pending == 4
+        assert check_segment(mgr.segment, mgr.block_pool).clean
+        adopted = _adopt(mgr)
+        try:
+            assert adopted.block_pool.pending == mgr.block_pool.pending
+            assert check_segment(adopted.segment, adopted.block_pool).clean
+        finally:
+            adopted.segment.close()
 
 
 # -- through the op executor --------------------------------------------------------------

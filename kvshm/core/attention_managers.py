@@ -179,15 +179,17 @@ class SingleTypeManager:
         # what it holds.  With readiness, blocks past the computed tokens are
         # cached pending (this step computes them).
         ready = end
+        writer = -1
         if pool.track_ready:
             ready = max(request.num_computed_tokens // self.block_size, num_cached)
             if ready < end:
                 self.pending_of.setdefault(rid, []).extend(
                     i for i in range(ready, end) if blocks[i])
+                writer = self.table.slot_of[rid]
         for i in range(num_cached, end):
             b = blocks[i]
             if b:  # null placeholders (out of window) are never cached
-                pool.cache_block(b, hashes[i * k + k - 1], g, i >= ready)
+                pool.cache_block(b, hashes[i * k + k - 1], g, writer if i >= ready else -1)
         self._set_num_cached(rid, num_full)
         if pool.events is not None:   # (off the hot path when nobody records events)
             stored = [hashes[i * k + k - 1] for i in range(num_cached, min(num_full, len(blocks)))
@@ -202,22 +204,9 @@ class SingleTypeManager:
     def mark_computed(self, request_id: str, num_computed_tokens: int) -> None:
         """The request's K/V up to `num_computed_tokens` are in the arena:
         the blocks it cached pending below them become ready."""
-        idx = self.pending_of.get(request_id)
-        if not idx:
-            return
-        n = num_computed_tokens // self.block_size
-        blocks = self.req_to_blocks[request_id]
-        mark = self.pool.mark_ready
-        keep = []
-        for i in idx:
-            if i < n:
-                mark(blocks[i])
-            else:
-                keep.append(i)
-        if keep:
-            self.pending_of[request_id] = keep
-        else:
-            del self.pending_of[request_id]
+        if self.pending_of:
+            self._settle_pending(request_id, num_computed_tokens // self.block_size,
+                                 self.pool.mark_ready)
 
     # -- freeing -------------------------------------------------------------
     def free(self, request_id: str) -> None:
@@ -255,6 +244,11 @@ class SingleTypeManager:
             n = len(blocks)
         if n == 0 or blocks[n - 1] == NULL_BLOCK:
             return  # nothing new left the window
+        if self.pending_of:
+            # It will never report the K/V of pending blocks it lets go of:
+            # they are uncached, so a pending block is always in its
+            # writer's row (what adoption rebuilds the index from).
+            self._settle_pending(request_id, n, self.pool.drop_pending)
         removed = []
         write_null = self.table.write_null
         for i in range(n - 1, -1, -1):
@@ -266,6 +260,24 @@ class SingleTypeManager:
             write_null(request_id, self.group_id, i)
         if removed:
             self.pool.free_blocks(removed)
+
+    def _settle_pending(self, request_id: str, n: int, settle) -> None:
+        """Settle (`pool.mark_ready` or `pool.drop_pending`) the blocks below
+        index `n` the request cached pending; the others stay pending."""
+        idx = self.pending_of.get(request_id)
+        if not idx or idx[0] >= n:   # (indices ascend: cached in order)
+            return
+        blocks = self.req_to_blocks[request_id]
+        keep = []
+        for i in idx:
+            if i < n:
+                settle(blocks[i])
+            else:
+                keep.append(i)
+        if keep:
+            self.pending_of[request_id] = keep
+        else:
+            del self.pending_of[request_id]
 
     # -- prefix cache hits ---------------------------------------------------
     def get_num_common_prefix_blocks(self, request_id: str) -> int:

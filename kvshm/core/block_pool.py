@@ -13,8 +13,9 @@ The map does not deduplicate: several blocks may be cached under one hash,
 and lookups return the earliest cached one.
 
 Readiness (`track_ready`, the coordinator's pools): a block cached before
-its K/V are written is *pending* (FLAG_PENDING, and `pending` maps it to its
-writer's session).  Lookups by the writer's session see it, as vLLM's own
+its K/V are written is *pending* (FLAG_PENDING, the segment's `writer` names
+the request slot that writes it, and `pending` maps it to its writer's
+session).  Lookups by the writer's session see it, as vLLM's own
 manager would (the same batch computes it); other sessions' lookups stop at
 it and count it as in flight.  `mark_ready` clears the mark; a pending
 block whose writer lets go of it is uncached (`drop_pending`), never
@@ -67,6 +68,7 @@ class BlockPool:
         self._cache_stamp = segment.cache_stamp
         self._group = segment.hash_group
         self._flags = segment.flags
+        self._writer = segment.writer
         self._hashes = segment.hashes
         self._words = segment.words
         self._journal = segment.journal
@@ -283,16 +285,17 @@ class BlockPool:
         return any(pending.get(b, me) != me for b in shared)
 
     def cache_block(self, block: int, block_hash: bytes, group_id: int,
-                    pending: bool = False) -> None:
+                    writer: int = -1) -> None:
         """Record `block` (full, uncached, not null) under (hash, group);
-        `pending`: its K/V are not written yet (the current reader writes
-        them)."""
+        `writer` >= 0: its K/V are not written yet, and the request in that
+        request-table slot (of the current reader's session) writes them."""
         self._maps[group_id].add(block_hash, block)
         off = block * _H
         self._hashes[off:off + len(block_hash)] = block_hash
         self._group[block] = group_id
-        if pending:
+        if writer >= 0:
             self._flags[block] = FLAG_CACHED | FLAG_PENDING
+            self._writer[block] = writer
             self.pending[block] = self.reader
         else:
             self._flags[block] = FLAG_CACHED

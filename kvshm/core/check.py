@@ -53,7 +53,7 @@ class _Snapshot:
     reads of the mutation counter."""
 
     NAMES = ("ref_cnt", "next_delta", "prev_delta", "free_stamp", "cache_stamp",
-             "hash_group", "flags", "hashes", "slot_meta", "slot_rid", "slot_counts")
+             "hash_group", "flags", "writer", "hashes", "slot_meta", "slot_rid", "slot_counts")
 
     def __init__(self, seg: SegmentState, timeout: float) -> None:
         # A copy still torn after `timeout` s (a writer died mid-mutation, or
@@ -130,6 +130,9 @@ def check_segment(seg: SegmentState, pool=None, timeout: float = 2.0) -> CheckRe
     owner_group = [-1] * n  # a block holds one group's KV: it is in one group only
     # A pending block is held by requests of its writer's session only.
     pending_owner: dict[int, int] = {}
+    # Pending blocks their writer (the request in their `writer` slot) holds
+    # in the cached part of its row, as it must (core/state.py).
+    written: set[int] = set()
     in_use = 0
     for slot in range(cfg.max_num_seqs):
         meta = snap.slot_meta[slot * SLOT_META_FIELDS:(slot + 1) * SLOT_META_FIELDS]
@@ -143,21 +146,24 @@ def check_segment(seg: SegmentState, pool=None, timeout: float = 2.0) -> CheckRe
         rid_len = meta[0]
         if not 0 < rid_len <= RID_BYTES:
             rep.add(f"slot {slot}: request id length {rid_len} out of range")
-        for g, (count, _cached) in enumerate(rows):
+        for g, (count, num_cached) in enumerate(rows):
             if count == NO_ENTRY:
                 continue
             if not 0 <= count <= widths[g]:
                 rep.add(f"slot {slot} group {g}: {count} blocks, row holds {widths[g]}")
                 continue
             base = slot * widths[g]
-            for b in snap.tables[g][base:base + count]:
+            for i, b in enumerate(snap.tables[g][base:base + count]):
                 if not 0 <= b < n:
                     rep.add(f"slot {slot} group {g}: block id {b} out of range")
                 elif b:
                     counted[b] += 1
-                    if flags[b] & FLAG_PENDING and pending_owner.setdefault(b, meta[1]) != meta[1]:
-                        rep.add(f"pending block {b} is held by sessions {pending_owner[b]} "
-                                f"and {meta[1]}: only its writer's session may hold it")
+                    if flags[b] & FLAG_PENDING:
+                        if pending_owner.setdefault(b, meta[1]) != meta[1]:
+                            rep.add(f"pending block {b} is held by sessions {pending_owner[b]} "
+                                    f"and {meta[1]}: only its writer's session may hold it")
+                        if snap.writer[b] == slot and i < num_cached:
+                            written.add(b)
                     if owner_group[b] == -1:
                         owner_group[b] = g
                     elif owner_group[b] != g:
@@ -203,6 +209,9 @@ def check_segment(seg: SegmentState, pool=None, timeout: float = 2.0) -> CheckRe
             if not counted[b]:
                 rep.add(f"pending block {b} is held by no request (its K/V will never be "
                         "written: it must be uncached)")
+            elif b not in written:
+                rep.add(f"pending block {b}: its writer (request slot {snap.writer[b]}) does "
+                        "not hold it in the cached part of its row")
         if f & FLAG_CACHED:
             cached += 1
             if snap.hash_group[b] >= num_groups:

@@ -126,24 +126,32 @@ class KVCacheManagerCore:
 
     def _adopt_pending(self) -> None:
         """Rebuild the readiness index from the segment: a pending block's
-        writer is the session owning the request that cached it (the
-        cached part of a row holding it).  A pending block no row holds
-        (its writer's frame was cut off) is uncached."""
-        pool, table = self.block_pool, self.table
-        flags = self.segment.flags
-        for rid, slot in table.slot_of.items():
-            owner = table.owner(slot)
-            for m in self.groups.managers:
-                blocks = m.req_to_blocks.get(rid)
-                if not blocks:
-                    continue
-                for i in range(min(m.num_cached_block.get(rid, 0), len(blocks))):
-                    b = blocks[i]
-                    if b and flags[b] & FLAG_PENDING and b not in pool.pending:
-                        pool.pending[b] = owner
-                        m.pending_of.setdefault(rid, []).append(i)
-        orphans = [b for b in range(self.config.num_blocks)
-                   if flags[b] & FLAG_PENDING and b not in pool.pending]
+        writer is the request in its `writer` slot, which holds it in the
+        cached part of its row (core/state.py), and the writer's session
+        is that request's.  A pending block whose writer does not hold it so
+        (its writer's frame was cut off) is uncached, in block order."""
+        pool, table, managers = self.block_pool, self.table, self.groups.managers
+        seg = self.segment
+        rid_of = {slot: rid for rid, slot in table.slot_of.items()}
+        orphans = []
+        found: dict[tuple[int, str], list[int]] = {}
+        for b in range(self.config.num_blocks):
+            if not seg.flags[b] & FLAG_PENDING:
+                continue
+            slot, g = seg.writer[b], seg.hash_group[b]
+            rid = rid_of.get(slot)
+            i = -1
+            if rid is not None and g < len(managers):
+                m = managers[g]
+                cached = m.req_to_blocks.get(rid, [])[:m.num_cached_block.get(rid, 0)]
+                i = cached.index(b) if b in cached else -1
+            if i < 0:
+                orphans.append(b)
+                continue
+            pool.pending[b] = table.owner(slot)
+            found.setdefault((g, rid), []).append(i)
+        for (g, rid), idx in found.items():
+            managers[g].pending_of[rid] = sorted(idx)
         for b in orphans:
             pool.drop_pending(b)
 
@@ -449,3 +457,4 @@ class KVCacheManagerCore:
         self.block_pool.publish()
         if not self._frame:
             self.journal.commit()
+

@@ -21,7 +21,13 @@ FLAG_NULL = 1
 FLAG_CACHED = 2
 FLAG_SINK = 4
 # A cached block whose K/V its writer has not reported written yet
-# (block_pool.py, "readiness"); always together with FLAG_CACHED.
+# (block_pool.py, "readiness"); always together with FLAG_CACHED.  The
+# segment's `writer` array holds, for such a block, the request slot whose
+# request cached it: its writer, the one request whose free or K/V report
+# settles the block (a restarted coordinator rebuilds the readiness index
+# from it).  The request that wrote `writer[b]` holds b in the cached part
+# of its row for as long as b is pending, so the entry needs no undo: a
+# frame a crash cut off wrote it only for blocks repair uncaches.
 FLAG_PENDING = 8
 
 # -- a request slot: its metadata words and its request id's bytes ---------------------
@@ -91,7 +97,7 @@ class SegmentState(Protocol):
     """The segment the core is given (kvshm.pool.segment.PoolSegment maps
     one): the pool's config, its arrays as typed memoryviews (`ref_cnt`,
     `next_delta`, `prev_delta`, `free_stamp`, `cache_stamp`, `hash_group`,
-    `flags`, `hashes`, `slot_meta`, `slot_rid`, `slot_counts`, `tables`,
+    `flags`, `writer`, `hashes`, `slot_meta`, `slot_rid`, `slot_counts`, `tables`,
     `undo`, `sessions`, `replies`, `metrics`), the fixed header as 8-byte
     `words`, header fields by name, the mutation bracket, and the
     `journal` (a core.journal.Journal) that writes its undo log."""

@@ -17,6 +17,9 @@ Layout (every array 64-byte aligned, native byte order):
     hash_group        uint16[num_blocks]  group the cached hash belongs to
     flags             uint8[num_blocks]   FLAG_NULL | FLAG_CACHED | FLAG_SINK
                                           | FLAG_PENDING
+    writer            int32[num_blocks]   the request slot whose request cached
+                                          a pending block (read only with
+                                          FLAG_PENDING)
     hashes            uint8[num_blocks * 32] cached block hash (zero padded)
     slot_meta         int32[max_num_seqs * 4]  rid length, owner, in use, -
     slot_rid          uint8[max_num_seqs * 64] request id (utf-8)
@@ -54,7 +57,7 @@ MAGIC = b"KVSHMPL\0"
 # (magic, layout version, header size, config fingerprint, num_blocks,
 # creator pid at the same offsets), so `segment_info` reads both kinds.
 ARENA_MAGIC = b"KVSHMKV\0"
-LAYOUT_VERSION = 4
+LAYOUT_VERSION = 5
 # The pool header's fixed fields: name -> (offset, struct format).  The KV
 # arena writes the leading ones (up to coordinator_pid) at the same offsets.
 # The words the allocator keeps (the mutation counter, the counters, the
@@ -109,6 +112,7 @@ class Layout:
             ("cache_stamp", 8 * n),
             ("hash_group", 2 * n),
             ("flags", n),
+            ("writer", 4 * n),
             ("hashes", HASH_SLOT_BYTES * n),
             ("slot_meta", 4 * SLOT_META_FIELDS * slots),
             ("slot_rid", RID_BYTES * slots),
@@ -127,7 +131,7 @@ class Layout:
         self.size = off
         self.block_bytes = sum(self.offsets[k][1] for k in (
             "ref_cnt", "next_delta", "prev_delta", "free_stamp", "cache_stamp",
-            "hash_group", "flags", "hashes"))
+            "hash_group", "flags", "writer", "hashes"))
         self.recovery_bytes = sum(self.offsets[k][1] for k in ("undo", "sessions", "replies"))
         self.metrics_bytes = self.offsets["metrics"][1]
         self.table_bytes = (self.size - self.header_size - self.block_bytes
@@ -135,6 +139,7 @@ class Layout:
 
 
 FORMATS = {"ref_cnt": "i", "next_delta": "i", "prev_delta": "i", "free_stamp": "q",
-            "cache_stamp": "q", "hash_group": "H", "flags": "B", "hashes": "B",
+            "cache_stamp": "q", "hash_group": "H", "flags": "B", "writer": "i",
+            "hashes": "B",
             "slot_meta": "i", "slot_rid": "B", "slot_counts": "i", "undo": "q",
             "sessions": "q", "replies": "B", "metrics": "q"}
