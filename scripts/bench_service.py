@@ -11,8 +11,9 @@ served by a `kvshm serve` child process.  Measures:
    pre-encoded frame (the floor under the asyncio client);
 2. throughput of 1, 2 and 4 client processes (each its own uvloop loop and
    connection) replaying a synthetic scheduler workload, each scheduler
-   step's ops sent in frames of at most 1, 8 or 64 ops (a frame never spans
-   two steps; each waits for its reply): total ops/s, per-op latency (frame
+   frame's ops (one frame a step, one per preemption) sent in frames of at
+   most 1, 8 or 64 ops (a frame never spans two of the scheduler's; each
+   waits for its reply): total ops/s, per-op latency (frame
    latency / ops in the frame, per op) and per-frame latency, and the
    coordinator's CPU time per op;
 3. the same op lists executed on an embedded KVCacheManager in this process
@@ -60,9 +61,12 @@ import time
 from array import array
 from pathlib import Path
 
+import msgspec
 import psutil
 
 from bench_common import add_json_argument, write_results
+from kvshm.config import PoolSource, add_pool_arguments, resolve_config
+from kvshm.core.errors import ConfigError
 from kvshm.core.metrics import percentile
 from kvshm.core.specs import FullSpec, PoolConfig
 from kvshm.ops import protocol as p
@@ -70,13 +74,14 @@ from kvshm.ops.protocol import encode_frame
 from kvshm.service.handshake import make_hello
 from kvshm.service.process import CoordinatorProcess
 from kvshm.service.sync_client import open_wire_sync
-from kvshm.workload.scheduler import WorkloadSpec
 from service_load import (
+    ALLOCATING,
     Recording,
     Workers,
     bench_embedded,
     bench_inprocess,
     build_frames,
+    client_scheduler,
     record_workload,
     reset_pool,
     start_coordinator,
@@ -87,6 +92,7 @@ P50_TARGET_US = 50.0
 RATIO_TARGET = 0.5
 RSS_TOLERANCE = 0.05
 PRESETS_OK = ("llama-8b", "gemma-hybrid", "jamba-hybrid")
+DEFAULT_BLOCKS = 65536
 
 
 # =============================================================================
@@ -219,7 +225,7 @@ def bench_rss(config: PoolConfig, rec: Recording, total_ops: int, every: int,
                         for r in results:
                             if r.__class__ is p.Error:
                                 errors += 1
-                            elif r.__class__ is p.Allocated and r.new_block_ids is None:
+                            elif r.__class__ in ALLOCATING and r.new_block_ids is None:
                                 failed += 1
                         if check:
                             for j, want in check:
@@ -268,11 +274,26 @@ def bench_rss(config: PoolConfig, rec: Recording, total_ops: int, every: int,
 # main
 # =============================================================================
 def pool_config(args) -> PoolConfig:
-    if args.preset:
-        from kvshm.config import preset_config
-        return preset_config(args.preset, num_blocks=args.num_blocks)
-    return PoolConfig(num_blocks=args.num_blocks, hash_block_size=16, max_model_len=4096,
-                      groups=(FullSpec(16),))
+    """The pool the flags name (kvshm serve's pool flags): a preset or a
+    config file, else full attention with 16-token blocks and
+    max_model_len 4096; DEFAULT_BLOCKS blocks unless sized otherwise.
+    Raises ConfigError naming what to change."""
+    source = PoolSource.from_args(args)
+    if source.num_blocks is None and source.kv_memory is None:
+        source = msgspec.structs.replace(source, num_blocks=DEFAULT_BLOCKS)
+    if source.preset and source.preset not in PRESETS_OK:
+        raise ConfigError("preset", f"the service benchmark runs the presets "
+                          f"{', '.join(PRESETS_OK)} (got {source.preset!r})")
+    if source.preset or source.config_file:
+        return resolve_config(source)
+    if source.kv_memory is not None:
+        raise ConfigError("kv_memory", "--kv-memory needs a KV shape (--preset or --config); "
+                          "use --num-blocks")
+    config = PoolConfig(num_blocks=source.num_blocks, hash_block_size=16, max_model_len=4096,
+                        groups=(FullSpec(16),))
+    hashing = {f: getattr(source, f) for f in ("hash_algorithm", "hash_seed")
+               if getattr(source, f) is not None}
+    return config.replace(**hashing) if hashing else config
 
 
 def _busy_cpu() -> tuple[float, float, float]:
@@ -294,10 +315,10 @@ def _sigterm(signum, frame):
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--preset", choices=PRESETS_OK, help="a model-shaped pool preset "
-                    "(default: full attention, 16-token blocks, max_model_len 4096)")
-    ap.add_argument("--num-blocks", type=int, default=65536,
-                    help="pool size; must exceed the blocks all clients of a run take")
+    # The pool: kvshm serve's flags (default: full attention, 16-token
+    # blocks, max_model_len 4096, DEFAULT_BLOCKS blocks; the pool must hold
+    # the blocks all clients of a run take).
+    add_pool_arguments(ap, vllm=False)
     ap.add_argument("--requests", type=int, default=200, help="workload requests per client")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--clients", type=int, nargs="+", default=[1, 2, 4])
@@ -320,7 +341,10 @@ def main() -> int:
     args = ap.parse_args()
     signal.signal(signal.SIGTERM, _sigterm)
     command = shlex.join([Path(sys.executable).name, *sys.argv])
-    config = pool_config(args)
+    try:
+        config = pool_config(args)
+    except ConfigError as e:
+        ap.error(str(e))
     t_begin = time.perf_counter()
     print(f"kvshm service benchmark: {command}")
     groups = ", ".join(type(g).__name__ for g in config.groups)
@@ -335,8 +359,8 @@ def main() -> int:
     # -- record the workloads --------------------------------------------------
     nclients = max(args.clients)
     t0 = time.perf_counter()
-    recs = [record_workload(config, WorkloadSpec(num_requests=args.requests,
-                                                 seed=args.seed + k))
+    recs = [record_workload(config, client_scheduler(args.requests, args.seed + k,
+                                                     config.max_model_len))
             for k in range(nclients)]
     gc.collect()
     gc.freeze()
@@ -344,7 +368,7 @@ def main() -> int:
     out["workload"] = {
         "requests_per_client": args.requests, "seed": args.seed,
         "ops_per_client": [r.num_ops for r in recs],
-        "steps_per_client": [len(r.steps) for r in recs],
+        "frames_per_client": [len(r.steps) for r in recs],
         "op_counts_client0": r0.counts,
         "hit_rate_client0": r0.hit_tokens / max(1, r0.prompt_tokens),
         "new_blocks_per_client": [r.new_blocks for r in recs],
@@ -354,7 +378,7 @@ def main() -> int:
     }
     need = sum(r.new_blocks for r in recs) + 1
     print(f"workload: {args.requests} requests/client, {r0.num_ops:,} ops in {len(r0.steps)} "
-          f"steps (client 0: {', '.join(f'{k} {v}' for k, v in sorted(r0.counts.items()))}), "
+          f"scheduler frames (client 0: {', '.join(f'{k} {v}' for k, v in sorted(r0.counts.items()))}), "
           f"hit rate {out['workload']['hit_rate_client0']:.1%}; {need:,} blocks taken by "
           f"{nclients} clients", flush=True)
     if need > config.num_blocks - 1:

@@ -54,7 +54,8 @@ import time
 from pathlib import Path
 
 from bench_common import RESULTS
-from kvshm.config import model_pool_config
+from kvshm.config import model_pool_config, parse_size
+from kvshm.core.errors import ConfigError
 from kvshm.core.metrics import percentile, read_metrics
 from kvshm.pool.segment import PoolSegment
 from kvshm.service.process import CoordinatorProcess
@@ -213,6 +214,14 @@ def plot(result: dict, path: Path) -> bool:
     return True
 
 
+def _size(text: str) -> int:
+    """A --kv-memory value in bytes (argparse reports a bad one)."""
+    try:
+        return parse_size(text)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(e.rule) from None
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--workload", choices=WORKLOADS, default="chat")
@@ -230,7 +239,9 @@ def main(argv=None) -> int:
                     "bit-equal to recomputed K/V, so tokens must match; in bfloat16 the "
                     "rounding of a prefill depends on its batch, as in vLLM itself)")
     ap.add_argument("--max-num-seqs", type=int, default=8)
-    ap.add_argument("--kv-memory", type=int, default=512, help="MiB, shared pool total")
+    ap.add_argument("--kv-memory", type=_size, default="512M",
+                    help="KV memory budget of the shared pool, all engines' (e.g. 512M, 1G), "
+                    "as kvshm serve's and kvshm run's --kv-memory")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--out", default=str(RESULTS))
     args = ap.parse_args(argv)
@@ -250,7 +261,7 @@ def main(argv=None) -> int:
             work = rag_streams(args.engines, args.workload == "rag", args.seed, vocab)
         if args.sequential:
             work = one_at_a_time(work)
-        config = model_pool_config(model, kv_memory=args.kv_memory << 20, block_size=BLOCK,
+        config = model_pool_config(model, kv_memory=args.kv_memory, block_size=BLOCK,
                                    max_model_len=4096, dtype=args.dtype)
         result = {"workload": args.workload, "sequential": args.sequential,
                   "engines": args.engines, "model": args.model, "dtype": args.dtype,

@@ -53,7 +53,7 @@ from kvshm.core.specs import KV_DTYPES, KVShape, PoolConfig
 from kvshm.pool.lifecycle import pool_bytes
 from kvshm.pool.numa import POLICIES, LibNuma, mapped_pages, place
 from kvshm.pool.shm import check_shm_space
-from kvshm.workers.channel import WorkloadSpec
+from kvshm.workload.spec import WorkloadSpec
 from kvshm.workers.engine_types import EngineOptions, EngineStats
 from kvshm.workers.launcher import Launch, LaunchOptions, RunResult
 from kvshm.workers.topology import Node, Plan, allowed_cpus, discover, format_cpulist

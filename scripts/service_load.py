@@ -5,10 +5,13 @@ and through the coordinator's op executor and codec without a socket), and
 the client processes that replay it against a coordinator and report their
 timings.
 
-The recording: kvshm.workload's scheduler (seed + client index, so clients
-share no prefix) drives an embedded KVCacheManager through the op executor
-and every protocol op is kept, grouped by scheduler step, with the hit
-tokens of every lookup, so that a replay can check its hits.
+The recording: kvshm.workload's compute-free scheduler (seed + client
+index, so clients share no prefix) drives an embedded KVCacheManager
+through the op executor and every protocol op is kept, grouped by the
+scheduler's frames (one a step, and one per preemption), with the hit
+tokens of every lookup and admission, so that a replay can check its hits.
+(Until 2026-12-04 the scheduler ran one op a call, and its stream was
+another: figures from before then are not comparable.)
 """
 
 from __future__ import annotations
@@ -37,57 +40,60 @@ from kvshm.ops.protocol import encode_frame
 from kvshm.pool.kv_cache_manager import KVCacheManager
 from kvshm.service.process import CoordinatorProcess
 from kvshm.service.sync_client import connect_sync
-from kvshm.workload.scheduler import EmbeddedBackend, WorkloadSpec, drive
+from kvshm.workload.scheduler import EmbeddedBackend, Scheduler, drive, system_workload
 
 
 # -- the recording ---------------------------------------------------------------
 @dataclass
 class Recording:
-    steps: list[list]             # protocol structs, one list per scheduler step
-    hits: list[int]               # num_computed_tokens of each lookup, in op order
+    steps: list[list]             # protocol structs, one list per scheduler frame
+    hits: list[int]               # num_computed_tokens of each lookup or admission, in op order
     num_ops: int = 0
     new_blocks: int = 0           # blocks taken from the free queue
-    failed_allocs: int = 0
+    failed_allocs: int = 0        # allocations and admissions refused
     preemptions: int = 0
     prompt_tokens: int = 0
     hit_tokens: int = 0
     counts: dict = field(default_factory=dict)
 
 
+# The replies that say whether an allocation got its blocks, and the ops
+# whose replies carry hit tokens.
+ALLOCATING = (p.Allocated, p.Admitted)
+LOOKUPS = (p.GetComputedBlocks, p.Admit)
+
+
 class RecordingBackend(EmbeddedBackend):
-    """kvshm.workload's embedded backend that also records every protocol op
-    it runs, one list per scheduler step, with the recording's counters."""
+    """kvshm.workload's embedded backend that also records every frame of
+    protocol ops it runs, with the recording's counters."""
 
     def __init__(self, mgr: KVCacheManager) -> None:
         super().__init__(mgr)
         self.rec = Recording([], [])
-        self.ops: list = []
 
-    def run_op(self, op):
-        self.ops.append(op)
-        reply = super().run_op(op)
-        cls = reply.__class__
-        if cls is p.ComputedBlocks:
-            self.rec.hits.append(reply.num_computed_tokens)
-        elif cls is p.Allocated:
-            if reply.new_block_ids is None:
-                self.rec.failed_allocs += 1
-            else:
-                self.rec.new_blocks += sum(len(g) for g in reply.new_block_ids)
-        return reply
-
-    def end_step(self) -> None:
-        self.rec.steps.append(self.ops)
-        self.rec.num_ops += len(self.ops)
-        self.ops = []
+    def run_frame(self, ops: list) -> list:
+        replies = super().run_frame(ops)
+        rec = self.rec
+        rec.steps.append(list(ops))
+        rec.num_ops += len(ops)
+        for reply in replies:
+            cls = reply.__class__
+            if cls is p.ComputedBlocks or cls is p.Admitted:
+                rec.hits.append(reply.num_computed_tokens)
+            if cls in ALLOCATING:
+                if reply.new_block_ids is None:
+                    rec.failed_allocs += 1
+                else:
+                    rec.new_blocks += sum(len(g) for g in reply.new_block_ids)
+        return replies
 
 
-def record_workload(config: PoolConfig, spec: WorkloadSpec) -> Recording:
-    """Run kvshm.workload's scheduler loop on an embedded manager through a
-    RecordingBackend."""
+def record_workload(config: PoolConfig, scheduler: Scheduler) -> Recording:
+    """Run kvshm.workload's compute-free scheduler on an embedded manager
+    through a RecordingBackend."""
     with KVCacheManager(config) as mgr:
         backend = RecordingBackend(mgr)
-        res = drive(backend, spec)
+        res = drive(backend, scheduler)
     rec = backend.rec
     rec.preemptions, rec.prompt_tokens, rec.hit_tokens = (
         res.preemptions, res.prompt_tokens, res.hit_tokens)
@@ -99,10 +105,17 @@ def record_workload(config: PoolConfig, spec: WorkloadSpec) -> Recording:
     return rec
 
 
+def client_scheduler(requests: int, seed: int, max_len: int) -> Scheduler:
+    """The compute-free scheduler of one benchmark client: `requests`
+    system-prompt requests of at most `max_len` tokens drawn from `seed`."""
+    return Scheduler(system_workload(requests, seed, max_len))
+
+
 def build_frames(steps: list[list], hits: list[int], batch: int, prefix: str = ""):
-    """Frames of at most `batch` ops, never spanning two steps (batch 1: bare
-    ops, else Batch), with request ids prefixed; plus, per frame, the
-    (index, expected hit tokens) of its lookups, and its op count."""
+    """Frames of at most `batch` ops, never spanning two recorded frames
+    (batch 1: bare ops, else Batch), with request ids prefixed; plus, per
+    frame, the (index, expected hit tokens) of its lookups and admissions,
+    and its op count."""
     replace = msgspec.structs.replace
     frames, checks, sizes = [], [], []
     it = iter(hits)
@@ -111,7 +124,7 @@ def build_frames(steps: list[list], hits: list[int], batch: int, prefix: str = "
         for s in range(0, len(ops), batch):
             chunk = ops[s:s + batch]
             exp = [(j, next(it)) for j, op in enumerate(chunk)
-                   if op.__class__ is p.GetComputedBlocks]
+                   if op.__class__ in LOOKUPS]
             frames.append(chunk[0] if batch == 1 else p.Batch(chunk))
             checks.append(exp or None)
             sizes.append(len(chunk))
@@ -133,7 +146,7 @@ class Embedded:
         for step in steps:
             for op in step:
                 r = execute(owner, op)
-                if r.__class__ is p.Allocated and r.new_block_ids is None:
+                if r.__class__ in ALLOCATING and r.new_block_ids is None:
                     self.failed += 1
 
 
@@ -257,7 +270,7 @@ async def client_run(conn, path, frames, checks, sizes, hash_algorithm, hash_see
             return {}
         send = client.request
         perf = time.perf_counter_ns
-        BatchReply, Allocated, Error = p.BatchReply, p.Allocated, p.Error
+        BatchReply, Error = p.BatchReply, p.Error
         lat = array("q")
         failed = errors = mismatches = 0
         first_error = None
@@ -269,7 +282,7 @@ async def client_run(conn, path, frames, checks, sizes, hash_algorithm, hash_see
             results = reply.results if reply.__class__ is BatchReply else (reply,)
             for r in results:
                 c = r.__class__
-                if c is Allocated:
+                if c in ALLOCATING:
                     if r.new_block_ids is None:
                         failed += 1
                 elif c is Error:
@@ -445,11 +458,10 @@ def add_ab_arguments(ap) -> None:
 def ab_workload(args) -> tuple[PoolConfig, list[Recording]]:
     """The pool config and each client's recorded workload of an A/B run."""
     from kvshm.core.specs import FullSpec
-    from kvshm.workload.scheduler import WorkloadSpec
     config = PoolConfig(num_blocks=args.num_blocks, hash_block_size=16, max_model_len=4096,
                         groups=(FullSpec(16),), max_num_seqs=1024)
-    recs = [record_workload(config, WorkloadSpec(num_requests=args.requests,
-                                                 seed=args.seed + k))
+    recs = [record_workload(config, client_scheduler(args.requests, args.seed + k,
+                                                     config.max_model_len))
             for k in range(max(args.clients))]
     print(f"workload: {args.requests} requests/client, {recs[0].num_ops:,} ops a client",
           flush=True)

@@ -114,3 +114,15 @@ def test_bench_metrics_tiny(tmp_path):
     configuration, the scraper really scraped; nothing left behind."""
     _, doc = _run_ab_bench(tmp_path, "bench_metrics.py", "--scrape-interval", "0.05")
     assert doc["scrapes"] > 0
+
+
+def test_bench_service_takes_serve_s_pool_flags_and_refuses_bad_ones():
+    for flags, message in (
+            (["--preset", "tiny"], "preset: the service benchmark runs the presets"),
+            (["--kv-memory", "1G"], "--kv-memory needs a KV shape"),
+            (["--num-blocks", "5", "--kv-memory", "1G"], "not allowed with argument"),
+            (["--hash-algorithm", "md5"], "invalid choice: 'md5'")):
+        r = subprocess.run([sys.executable, str(SCRIPT), *flags], capture_output=True,
+                           text=True, cwd=REPO, timeout=60)
+        assert r.returncode == 2 and message in r.stderr, (flags, r.stderr)
+        assert r.stdout == ""

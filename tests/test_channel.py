@@ -14,9 +14,9 @@ import msgspec
 import pytest
 
 from kvshm.config import preset_config
-from kvshm.workers.channel import (Done, Failed, Progress, Ready, WorkerSpec, WorkloadSpec,
-    emit, read_report)
+from kvshm.workers.channel import Done, Failed, Progress, Ready, WorkerSpec, emit, read_report
 from kvshm.workers.engine_types import EngineOptions, EngineStats
+from kvshm.workload.spec import WorkloadSpec
 from kvshm.workers.launcher import Launch, LaunchOptions, RunResult, WorkerResult, make_plan
 from kvshm.workload.items import SyntheticSpec
 

@@ -128,13 +128,13 @@ def test_after_resume_failed_both_clients_go_on_as_a_fresh_session(pool_name, si
         try:
             c("add_request", "a", tokens(0, 10))
             c("allocate_slots", "a", 10)
-            assert "a" in c.c.requests
+            assert "a" in c.c.requests and c.c.connected
             proc.kill()
             remove_segment(pool_name, force=True)   # a new pool: nothing to resume
             proc.restart()
             with pytest.raises(ResumeFailed, match="could not be resumed"):
                 c("get_block_ids", "a")
-            assert len(c.c.requests) == 0
+            assert len(c.c.requests) == 0 and c.c.connected
             # The session is the fresh one: later calls work; the old
             # requests are gone.
             assert c("stats").num_requests == 0
@@ -143,3 +143,4 @@ def test_after_resume_failed_both_clients_go_on_as_a_fresh_session(pool_name, si
             assert c.c.restarts == []            # nothing was resumed
         finally:
             c.close()
+        assert not c.c.connected

@@ -154,8 +154,7 @@ def test_a_full_queue_drops_the_batch_without_blocking(sockdir):
     cfg = KVEventsConfig(enable_kv_cache_events=True, endpoint=f"ipc://{sockdir}/p",
                          max_queue_size=2)
     pub = EventPublisher(cfg)
-    pub._abandon = True                    # the thread stops taking batches
-    pub._thread.join(2)
+    pub.stall()                            # the thread stops taking batches
     t0 = time.perf_counter()
     for _ in range(5):
         pub.publish([AllBlocksCleared()])

@@ -402,6 +402,6 @@ async def test_a_large_batch_reply_does_not_kill_the_session(coordinator):
             results = await c.batch([p.GetStats(4096)] * 800)
             assert len(results) == 800
         except KvshmError as e:  # a typed refusal would do; losing the session does not
-            assert c._wire.lost is None, repr(e)
+            assert c.connected, repr(e)
         assert await c.get_block_ids("kept") == [[1, 2]]
         assert "kept" in coord.executor.requests

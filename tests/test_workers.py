@@ -443,7 +443,7 @@ async def test_sliding_window_blocks_are_dropped_and_stay_correct(coordinator, o
 
     def watch(worker):
         def on_step(_stats) -> None:
-            for seq in worker.engine.running:
+            for seq in worker.engine.planner.running:
                 if 0 in list(coord.mgr.get_block_ids(seq.rid)[1]):
                     dropped.append(seq.rid)
         return on_step

@@ -14,31 +14,13 @@ one after another run their workload together.
 from __future__ import annotations
 
 import sys
-from typing import Literal, Union
+from typing import Union
 
 import msgspec
 
 from kvshm.core.hashing import DEFAULT_HASH_ALGORITHM, DEFAULT_HASH_SEED
 from kvshm.workers.engine_types import EngineOptions, EngineStats
-from kvshm.workload.items import RagSpec, SyntheticSpec
-
-
-class WorkloadSpec(msgspec.Struct, frozen=True, kw_only=True):
-    """The requests of a run, the same for every worker, which takes its
-    share (`assign`: "round-robin" or "hash", which keeps a conversation on
-    one worker).  `kind` "synthetic" generates `synthetic`'s chat traffic;
-    "rag" the documents and questions of `rag` (items.rag); "jsonl" reads
-    prompts from `path` (token ids below `vocab`, cut to `max_len`).
-    `limit`: only the first `limit` requests of the whole workload."""
-
-    kind: Literal["synthetic", "rag", "jsonl"] = "synthetic"
-    synthetic: SyntheticSpec = SyntheticSpec()
-    rag: RagSpec = RagSpec()
-    path: str = ""
-    vocab: int = 32000
-    max_len: int = 4096
-    limit: int | None = None
-    assign: Literal["round-robin", "hash"] = "round-robin"
+from kvshm.workload.spec import WorkloadSpec
 
 
 class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True):

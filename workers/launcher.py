@@ -25,9 +25,9 @@ from kvshm.core.hashing import DEFAULT_HASH_ALGORITHM, DEFAULT_HASH_SEED
 from kvshm.core.metrics import percentile
 from kvshm.core.specs import PoolConfig
 from kvshm.service.process import die_with_parent
-from kvshm.workers.channel import (Done, Failed, Progress, Ready, WorkerSpec, WorkloadSpec,
-    read_report)
+from kvshm.workers.channel import Done, Failed, Progress, Ready, WorkerSpec, read_report
 from kvshm.workers.engine_types import EngineOptions, EngineStats
+from kvshm.workload.spec import WorkloadSpec
 from kvshm.workers.topology import (
     Node,
     Plan,

@@ -23,7 +23,6 @@ from kvshm.core.errors import KvshmError
 from kvshm.core.hashing import DEFAULT_HASH_ALGORITHM, DEFAULT_HASH_SEED
 from kvshm.core.metrics import percentile
 from kvshm.pool.lifecycle import pool_bytes
-from kvshm.workers.channel import WorkloadSpec
 from kvshm.workers.compute import MODELS
 from kvshm.workers.engine_types import EngineOptions
 from kvshm.workers.launcher import (
@@ -35,7 +34,7 @@ from kvshm.workers.launcher import (
 )
 from kvshm.workers.topology import describe, format_cpulist
 from kvshm.workload.items import distinct_tokens
-from kvshm.workers.worker import workload_stream
+from kvshm.workload.spec import WorkloadSpec, workload_stream
 
 DEFAULT_PRESET = "small"
 DEFAULT_MODEL = "transformer"

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import itertools
 import os
 import signal
 import sys
@@ -18,23 +17,9 @@ import time
 
 import msgspec
 
-from kvshm.workers.channel import Done, Failed, Progress, Ready, WorkerSpec, WorkloadSpec, emit
-from kvshm.workload.items import load_jsonl, rag, synthetic
+from kvshm.workers.channel import Done, Failed, Progress, Ready, WorkerSpec, emit
+from kvshm.workload.spec import WorkloadSpec, workload_stream
 from kvshm.workers.turns import TurnBoard, assign
-
-
-def workload_stream(workload: WorkloadSpec):
-    """Every item of the workload, in order (infinite for an unlimited
-    synthetic one)."""
-    if workload.kind == "synthetic":
-        items = synthetic(workload.synthetic)
-    elif workload.kind == "rag":
-        items = rag(workload.rag)
-    else:
-        items = load_jsonl(workload.path, vocab=workload.vocab, max_len=workload.max_len)
-    if workload.limit is not None:
-        items = itertools.islice(items, workload.limit)
-    return items
 
 
 def workload_items(workload: WorkloadSpec, index: int, num_workers: int):

@@ -13,7 +13,7 @@ from kvshm.core import fmt
 from kvshm.core.check import check_segment
 from kvshm.core.specs import FullSpec, PoolConfig
 from kvshm.pool.kv_cache_manager import KVCacheManager
-from kvshm.workload.scheduler import WorkloadSpec, run_workload
+from kvshm.workload.scheduler import Scheduler, run_workload, system_workload
 
 HELP = "run a synthetic workload on an embedded pool"
 
@@ -33,19 +33,20 @@ def main(args: argparse.Namespace) -> int:
         return 2
     config = PoolConfig(num_blocks=args.num_blocks, hash_block_size=16, max_model_len=4096,
                         groups=(FullSpec(16),), max_num_seqs=256)
-    spec = WorkloadSpec(num_requests=args.requests, seed=args.seed)
+    scheduler = Scheduler(system_workload(args.requests, args.seed, config.max_model_len))
     print(f"kvshm demo (embedded mode): one pool of {fmt.count(config.num_blocks)} blocks x "
           f"16 tokens, full attention, max_model_len {fmt.count(config.max_model_len)}")
     with KVCacheManager(config) as mgr:
         print(f"  segment /dev/shm/{mgr.segment.name}: {fmt.nbytes(mgr.segment.layout.size)}")
-        res = run_workload(mgr, spec)
+        res = run_workload(mgr, scheduler)
         report = check_segment(mgr.segment, mgr.block_pool)
         print(f"  {fmt.count(res.finished)} requests served in {fmt.count(res.steps)} "
               f"scheduler steps, {fmt.count(res.preemptions)} preemptions")
         print(f"  prefix-cache hit rate {fmt.percent(res.hit_rate)} of prompt tokens "
               f"({fmt.count(res.hit_tokens)} of {fmt.count(res.prompt_tokens)})")
         print(f"  peak usage {fmt.percent(res.peak_usage)}; {fmt.count(res.manager_calls)} "
-              f"manager calls at {fmt.count(res.calls_per_second)} calls/s")
+              f"ops in {fmt.count(res.frames)} frames, {fmt.count(res.calls_per_second)} "
+              "ops/s")
         print(f"  pool check: {report.summary()}")
     status = 0 if report.clean else 1
     if args.traces is None:

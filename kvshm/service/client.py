@@ -136,6 +136,13 @@ class Client(ClientSession):
             t.close()
         self._give_up(ConnectionClosed("the client closed this connection"))
 
+    @property
+    def connected(self) -> bool:
+        """Whether the client holds a live connection now (False while it
+        reconnects after a coordinator restart, and once it is closed or
+        lost for good)."""
+        return not self._closed and self._lost is None and self._wire.lost is None
+
     async def __aenter__(self) -> "Client":
         return self
 

@@ -155,6 +155,14 @@ class EventPublisher:
             self.dropped += 1
             self.dropped_events += len(events)
 
+    def stall(self, timeout: float = 2.0) -> None:
+        """Fault injection: stop the sending thread (within `timeout` s) and
+        leave the queue as it is, as a sender stuck on its socket would:
+        from now on batches queue up, and once the queue is full are
+        dropped.  For fault tests; `close` still closes."""
+        self._abandon = True
+        self._thread.join(timeout)
+
     def stats(self) -> dict[str, int]:
         return {"numbered_batches": self._next_seq, "published_batches": self.published,
                 "dropped_batches": self.dropped, "dropped_events": self.dropped_events,

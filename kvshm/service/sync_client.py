@@ -147,6 +147,21 @@ class SyncClient(ClientSession):
         if self._lost is None:
             self._lost = ConnectionClosed("the client closed this connection")
 
+    @property
+    def connected(self) -> bool:
+        """Whether the client holds a live connection now (False between a
+        lost connection and its resume, and once it is closed or lost for
+        good)."""
+        return self._wire is not None and self._lost is None
+
+    def break_connection(self) -> None:
+        """Fault injection: shut the socket down both ways, as a network
+        fault would, without closing the session; the next call finds the
+        connection lost (the coordinator ends the session unless it is the
+        one that went away).  For fault tests."""
+        if self._wire is not None:
+            self._wire.sock.shutdown(socket.SHUT_RDWR)
+
     def __enter__(self) -> "SyncClient":
         return self
 

@@ -2,8 +2,9 @@
 (`synthetic`, shared system prompts and multi-turn conversations), the RAG
 shape (`rag`: documents each asked several questions), JSONL files
 (`load_jsonl` / `write_jsonl`), conversations in waves of turns
-(`conversations`, scripts/bench_vllm.py's chat) and the vLLM plugin tests'
-shared prefixes with duplicates (`shared_prefix`).  `kvshm run`'s workers,
+(`conversations`, scripts/bench_vllm.py's chat), the vLLM plugin tests'
+shared prefixes with duplicates (`shared_prefix`) and the compute-free
+scheduler's system prompts (`system_prompts`).  `kvshm run`'s workers,
 the vLLM engine driver (kvshm/vllm/engine.py, `workload_json`) and the
 benchmarks all take them from here.
 
@@ -384,16 +385,8 @@ class RagSpec:
     shared: bool = True
 
     def validate(self) -> RagSpec:
-        for name in ("num_docs", "questions", "output_len"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < (0 if name == "output_len"
-                                                                     else 1):
-                raise ValueError(f"{name} must be an int >= {int(name != 'output_len')}, "
-                                 f"got {v!r}")
-        for name in ("doc_len", "question_len"):
-            lo, hi = getattr(self, name)
-            if not 1 <= lo <= hi:
-                raise ValueError(f"{name} must be (lo, hi) with 1 <= lo <= hi, got {(lo, hi)}")
+        _check_fields(self, {"num_docs": 1, "questions": 1, "output_len": 0},
+                      {"doc_len": 1, "question_len": 1})
         if self.vocab < 1:
             raise ValueError(f"vocab must be >= 1, got {self.vocab}")
         return self
@@ -465,6 +458,68 @@ def shared_prefix(seed: int = 3, num_requests: int = 14, *, vocab: int = 1000,
     for rid, of, n in (("dup0", 0, 12), ("dup3", 3, 30)):
         items.append(Item(rid, items[of].prompt, drawn_output(rid, n, vocab), rid, 0))
     return items
+
+
+@dataclass(frozen=True)
+class SystemPromptSpec:
+    """The compute-free scheduler's requests (kvshm demo, the service
+    benchmark): `num_requests` prompts, each one of `num_system_prompts`
+    shared system prompts followed by a user part, with an answer of
+    `output_len` tokens (lengths uniform, in tokens; every item cut to
+    `max_len`, its prompt to `max_len - 1`)."""
+
+    seed: int = 0
+    vocab: int = 32000
+    num_requests: int = 200
+    num_system_prompts: int = 4
+    system_len: tuple[int, int] = (200, 600)
+    user_len: tuple[int, int] = (20, 200)
+    output_len: tuple[int, int] = (16, 128)
+    max_len: int = 4096
+
+    def validate(self) -> SystemPromptSpec:
+        _check_fields(self, {"num_requests": 0, "num_system_prompts": 1, "vocab": 1,
+                             "max_len": 2},
+                      {"system_len": 0, "user_len": 0, "output_len": 0})
+        return self
+
+
+def _check_fields(spec, ints: dict[str, int], ranges: dict[str, int]) -> None:
+    """Raise ValueError unless each field of `ints` is an int >= its bound
+    and each of `ranges` is (lo, hi) with bound <= lo <= hi."""
+    for name, low in ints.items():
+        v = getattr(spec, name)
+        if isinstance(v, bool) or not isinstance(v, int) or v < low:
+            raise ValueError(f"{name} must be an int >= {low}, got {v!r}")
+    for name, low in ranges.items():
+        lo, hi = getattr(spec, name)
+        if not low <= lo <= hi:
+            raise ValueError(f"{name} must be (lo, hi) with {low} <= lo <= hi, got {(lo, hi)}")
+
+
+def system_prompts(spec: SystemPromptSpec = SystemPromptSpec()) -> Iterator[Item]:
+    """The requests of `spec` in arrival order, ids "0", "1", ... (each its
+    own conversation); deterministic.  The prompts are drawn from one
+    generator seeded by `spec.seed` (the system prompts first, then per
+    request its system prompt, its user part and its answer's length), the
+    answers by `drawn_output`.  Raises ValueError for an invalid spec (at
+    this call)."""
+    spec.validate()
+    return _system_prompts(spec)
+
+
+def _system_prompts(spec: SystemPromptSpec) -> Iterator[Item]:
+    rng = random.Random(spec.seed)
+    systems = [[rng.randrange(spec.vocab) for _ in range(rng.randint(*spec.system_len))]
+               for _ in range(spec.num_system_prompts)]
+    for i in range(spec.num_requests):
+        prompt = list(rng.choice(systems)) + [
+            rng.randrange(spec.vocab) for _ in range(rng.randint(*spec.user_len))]
+        prompt = prompt[:spec.max_len - 1]
+        n = min(len(prompt) + rng.randint(*spec.output_len), spec.max_len) - len(prompt)
+        rid = str(i)
+        yield Item(rid, tuple(prompt), drawn_output(f"{spec.seed}:{rid}", n, spec.vocab),
+                   rid, 0)
 
 
 def write_jsonl(items: Iterable[Item], path: str | Path) -> int:

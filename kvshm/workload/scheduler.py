@@ -1,82 +1,72 @@
-"""A synthetic scheduler workload, written once, over pluggable backends.
+"""The compute-free scheduler: the scheduling policy (policy.py, `Planner`)
+driven with no model, over any workload (spec.py; by default the system
+prompts of items.system_prompts).  Used by `kvshm demo`,
+scripts/bench_service.py and scripts/service_load.py.
 
-Requests share a few system prompts (so prefix caching matters), arrive over
-time, are prefilled in chunks under a token budget, decode until their output
-length, and are preempted (freed and recomputed later) when the pool runs
-out, as vLLM's scheduler does.  Used by `kvshm demo` and
-scripts/bench_service.py.
+It computes nothing and depends on nothing but its spec: scheduled tokens
+count as computed in the step that scheduled them, and requests arrive
+`arrivals_per_step` a step.  So it runs in-process in a fraction of a
+second (`kvshm demo`) and gives the service benchmark an op stream that is
+the same on every run and every commit (its coordinator figures compare
+across commits only because of that).  The CPU workers' engine
+(kvshm/workers/engine.py, `kvshm run`) drives the same planner with what
+only a real engine has: the model, the wall clock, turns, other workers,
+coordinator restarts.
 
-Why this is not the CPU worker's scheduler (kvshm/workers/engine.py, which
-`kvshm run` uses): this one computes nothing and depends on nothing but its
-seed, so it runs in-process in a fraction of a second (`kvshm demo`) and
-gives the service benchmark an op stream that is the same on every run and
-every commit (its coordinator figures compare across commits only because of
-that).  The worker's scheduler is built around what a real engine has and
-this one must not: the model's compute on the arena (about 20x the time
-a `kvshm run` worker waits for the coordinator), one batch per step with
-`Admit`, blocks that become ready for other workers once their K/V are
-written, waits for prefixes other workers are computing, wall-clock
-deadlines, other workers sharing the pool, and coordinator restarts.  The policies are the same (FCFS, chunked
-prefill under a token budget, preempt the newest on a failed allocation);
-a change to one should be made to the other.
+The loop is sans-IO: `Scheduler.run(config)` yields each step's batch of
+protocol ops (and each preemption's follow-up batch) and is sent their
+replies; `drive(backend, scheduler)` runs it against a synchronous backend
+such as `EmbeddedBackend` (the coordinator's op executor on an in-process
+`KVCacheManager`; scripts/service_load.py records the ops it runs);
+`run_workload(mgr, scheduler)` is `drive` on one, timed.  An async backend
+needs no second copy of the loop, only a second driver that awaits each
+batch::
 
-The loop exists once, sans-IO: `Scheduler.run()` (over `make_requests`'
-deterministic request set) yields each backend call as `(method, *args)` and
-is sent the reply; `drive(backend, spec)` runs it against a synchronous
-backend such as `EmbeddedBackend` (the coordinator's op executor on an
-in-process `KVCacheManager`; its methods document the interface;
-scripts/bench_service.py records the protocol ops it runs); `run_workload(mgr,
-spec)` is `drive` on one, timed.  An async backend needs no second copy of
-the loop, only a second driver that awaits each call::
-
-    async def adrive(backend, spec):
-        loop, reply = Scheduler(spec, backend.max_model_len).run(), None
+    async def adrive(client, config, scheduler):
+        loop, replies = scheduler.run(config), None
         try:
             while True:
-                name, *args = loop.send(reply)
-                reply = await getattr(backend, name)(*args)
+                replies = await client.batch(loop.send(replies))
         except StopIteration as stop:
             return stop.value
 """
 
 from __future__ import annotations
 
-import random
 import time
-from collections import deque
 from collections.abc import Generator
 from dataclasses import dataclass, field
 
+from kvshm.core.specs import PoolConfig
 from kvshm.ops import protocol as p
-from kvshm.ops.errors import raise_reply
+from kvshm.ops.errors import batch_results
 from kvshm.ops.executor import OpExecutor
 from kvshm.pool.kv_cache_manager import KVCacheManager
-
-
-@dataclass(frozen=True)
-class WorkloadSpec:
-    num_requests: int = 200
-    num_system_prompts: int = 4
-    system_len: tuple[int, int] = (200, 600)
-    user_len: tuple[int, int] = (20, 200)
-    output_len: tuple[int, int] = (16, 128)
-    token_budget: int = 512         # tokens scheduled per step
-    max_running: int = 32
-    arrivals_per_step: int = 2
-    vocab: int = 32000
-    seed: int = 0
+from kvshm.workload.items import SystemPromptSpec
+from kvshm.workload.policy import Planner, Seq, fits
+from kvshm.workload.spec import WorkloadSpec, workload_stream
 
 
 @dataclass
 class WorkloadResult:
+    """What a run did (the planner's counters among them)."""
+
     steps: int = 0
     finished: int = 0
+    rejected: int = 0               # longer than the model or the whole pool: never admitted
     preemptions: int = 0
-    manager_calls: int = 0
+    manager_calls: int = 0          # ops sent
+    frames: int = 0                 # batches sent
     prompt_tokens: int = 0
     hit_tokens: int = 0
+    computed_tokens: int = 0
+    generated_tokens: int = 0
+    in_flight_waits: int = 0
+    in_flight_timeouts: int = 0
     peak_usage: float = 0.0
     seconds: float = 0.0
+    queue_ms: list[int] = field(default_factory=list)
+    ttft_ms: list[int] = field(default_factory=list)
     extra: dict = field(default_factory=dict)
 
     @property
@@ -88,206 +78,123 @@ class WorkloadResult:
         return self.manager_calls / self.seconds if self.seconds else 0.0
 
 
-class Seq:
-    """A request as the scheduler sees it: id, prompt, token and computed
-    counts, the length at which it finishes, the tokens scheduled this step,
-    and whether the backend has been told about it (`add`)."""
-
-    __slots__ = ("rid", "prompt", "num_tokens", "num_computed", "target", "scheduled", "added")
-
-    def __init__(self, rid: str, prompt: list[int], target: int) -> None:
-        self.rid, self.prompt, self.num_tokens, self.target = rid, prompt, len(prompt), target
-        self.num_computed = self.scheduled = 0
-        self.added = False
-
-
-def make_requests(spec: WorkloadSpec, max_len: int, rng: random.Random) -> list[Seq]:
-    """The spec's requests, in arrival order (ids "0", "1", ...): a shared
-    system prompt plus a user part, cut to fit `max_len`; drawn from `rng`."""
-    systems = [[rng.randrange(spec.vocab) for _ in range(rng.randint(*spec.system_len))]
-               for _ in range(spec.num_system_prompts)]
-    seqs = []
-    for i in range(spec.num_requests):
-        prompt = list(rng.choice(systems)) + [
-            rng.randrange(spec.vocab) for _ in range(rng.randint(*spec.user_len))]
-        prompt = prompt[:max_len - 1]
-        target = min(len(prompt) + rng.randint(*spec.output_len), max_len)
-        seqs.append(Seq(str(i), prompt, target))
-    return seqs
+def system_workload(num_requests: int = 200, seed: int = 0,
+                    max_len: int = 4096) -> WorkloadSpec:
+    """The scheduler's default workload: `num_requests` system-prompt
+    requests (items.SystemPromptSpec) of at most `max_len` tokens."""
+    return WorkloadSpec(kind="system", system=SystemPromptSpec(
+        seed=seed, num_requests=num_requests, max_len=max_len))
 
 
 class Scheduler:
-    """One run of the scheduler over a spec: its requests (`make_requests`)
-    and the rng, which goes on to draw the sampled tokens; `run()` is the loop."""
+    """One run of the policy over a workload, with no model.
 
-    def __init__(self, spec: WorkloadSpec, max_len: int) -> None:
-        self.spec = spec
-        self.rng = random.Random(spec.seed)
-        self.requests = make_requests(spec, max_len, self.rng)
+    Args:
+        workload: the requests (default: `system_workload()`).
+        token_budget, max_running: the planner's (tokens per step,
+            requests running at once).
+        arrivals_per_step: requests that arrive each step.
+    """
 
-    def run(self) -> Generator[tuple, object, WorkloadResult]:
-        """The loop: yields backend calls `(name, *args)`, is sent each reply,
-        returns a `WorkloadResult` (steps, finished, preemptions, prompt and
-        hit tokens) when all requests are done.  Each step: arrivals; running
-        requests (preempting the newest while an `allocate` fails: `free`,
-        `advance` to 0); admissions (`add` the first time, `lookup`,
-        `allocate` with the hits); `scheduled`; "run the model": scheduled
-        tokens are computed, a request with all computed finishes (`free`) or
-        samples a token; each other scheduled one is `advance`d; `end_step`."""
-        spec, rng = self.spec, self.rng
-        pending = deque(self.requests)
-        waiting: deque[Seq] = deque()
-        running: list[Seq] = []
+    def __init__(self, workload: WorkloadSpec | None = None, *, token_budget: int = 512,
+                 max_running: int = 32, arrivals_per_step: int = 2) -> None:
+        for name, v in (("token_budget", token_budget), ("max_running", max_running),
+                        ("arrivals_per_step", arrivals_per_step)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+        self.workload = workload if workload is not None else system_workload()
+        self.token_budget = token_budget
+        self.max_running = max_running
+        self.arrivals_per_step = arrivals_per_step
+
+    def run(self, config: PoolConfig) -> Generator[list, list, WorkloadResult]:
+        """The loop on a pool of `config` (fresh: all its blocks free):
+        yields batches of ops, is sent each one's replies, returns a
+        `WorkloadResult` once every request is done and freed."""
         res = WorkloadResult()
-        while pending or waiting or running:
+        planner = Planner([g.block_size for g in config.groups], config.num_blocks - 1, res,
+                          token_budget=self.token_budget, max_running=self.max_running)
+        source = workload_stream(self.workload)
+        more = True
+        while True:
+            now = time.monotonic()
+            for _ in range(self.arrivals_per_step if more else 0):
+                item = next(source, None)
+                if item is None:
+                    more = False
+                elif fits(config, item):
+                    planner.waiting.append(Seq(item, now))
+                else:
+                    res.rejected += 1
+            if not (more or planner.running or planner.waiting):
+                break
             res.steps += 1
-            for _ in range(spec.arrivals_per_step):
-                if pending:
-                    waiting.append(pending.popleft())
-            budget = spec.token_budget
-            # Running requests first (decode or the rest of a chunked prefill).
-            i = 0
-            while i < len(running) and budget > 0:
-                seq = running[i]
-                n = min(budget, seq.num_tokens - seq.num_computed)
-                while (yield ("allocate", seq, n)) is None:
-                    victim = running.pop()      # preempt the newest request
-                    yield ("free", victim, True)
-                    victim.num_computed = 0
-                    yield ("advance", victim, 0, ())
-                    res.preemptions += 1
-                    waiting.appendleft(victim)
-                    if victim is seq:
-                        break
-                else:
-                    seq.scheduled = n
-                    budget -= n
-                    i += 1
-            # Then admit waiting requests while the budget and the pool allow.
-            while waiting and budget > 0 and len(running) < spec.max_running:
-                seq = waiting[0]
-                if not seq.added:
-                    yield ("add", seq)
-                    seq.added = True
-                hits, num_hit = yield ("lookup", seq)
-                n = min(budget, seq.num_tokens - num_hit)
-                if (yield ("allocate", seq, n, num_hit, hits)) is None:
-                    break
-                waiting.popleft()
-                res.prompt_tokens += seq.num_tokens
-                res.hit_tokens += num_hit
-                seq.num_computed = num_hit
-                seq.scheduled = n
-                running.append(seq)
-                budget -= n
-            yield ("scheduled",)
-            # "Run the model": scheduled tokens are computed; a request whose
-            # tokens are all computed samples one more (or finishes).
-            still = []
-            for seq in running:
-                if not seq.scheduled:
-                    still.append(seq)
-                    continue
-                done = seq.num_computed = seq.num_computed + seq.scheduled
-                seq.scheduled = 0
-                if done >= seq.num_tokens:
-                    if seq.num_tokens >= seq.target:
-                        yield ("free", seq, False)
-                        res.finished += 1
-                        continue
-                    seq.num_tokens += 1
-                    yield ("advance", seq, done, [rng.randrange(spec.vocab)])
-                else:
-                    yield ("advance", seq, done, ())
-                still.append(seq)
-            running = still
-            yield ("end_step",)
+            plan = planner.plan()
+            _, _, failed = planner.settle(plan, (yield plan.ops), now)
+            if failed:
+                batches, replies = planner.preemption(failed), None
+                try:
+                    while True:
+                        replies = yield batches.send(replies)
+                except StopIteration:
+                    pass
+            planner.computed(now)
+        ops, _ = planner.bookkeeping()   # the last Advances and Frees
+        if ops:
+            yield ops
         return res
 
 
-BACKEND_METHODS = ("add", "lookup", "allocate", "free", "advance", "scheduled", "end_step")
-
-
-def drive(backend, spec: WorkloadSpec | Scheduler = WorkloadSpec()) -> WorkloadResult:
-    """Run the scheduler loop (of `spec`, or a prepared `Scheduler`) against
-    a synchronous backend (the methods of `EmbeddedBackend`, `max_model_len`)."""
-    sched = spec if isinstance(spec, Scheduler) else Scheduler(spec, backend.max_model_len)
-    methods = {name: getattr(backend, name) for name in BACKEND_METHODS}
-    send, reply = sched.run().send, None
+def drive(backend, scheduler: Scheduler | None = None) -> WorkloadResult:
+    """Run `scheduler`'s loop (default: `Scheduler()`) against a synchronous
+    backend: `config` and `batch(ops) -> replies` (as `EmbeddedBackend`)."""
+    loop = (scheduler or Scheduler()).run(backend.config)
+    replies = None
     try:
         while True:
-            call = send(reply)
-            reply = methods[call[0]](*call[1:])
+            replies = backend.batch(loop.send(replies))
     except StopIteration as stop:
         return stop.value
 
 
 class EmbeddedBackend:
-    """The scheduler's calls as protocol ops run by the coordinator's op
-    executor on an in-process `KVCacheManager` (one session), so embedded
-    runs keep the coordinator's request upkeep exactly; counts the manager
-    calls and the peak pool usage.  `run_op` is the one place ops go
-    through (scripts/bench_service.py overrides it to record them)."""
+    """The scheduler's batches run by the coordinator's op executor on an
+    in-process `KVCacheManager` (one session), so embedded runs keep the
+    coordinator's request upkeep exactly; counts the ops and frames and the
+    peak pool usage (after each batch, when the step's blocks are held).
+    `run_frame` is the one place frames go through (scripts/service_load.py
+    overrides it to record them)."""
 
     def __init__(self, mgr: KVCacheManager) -> None:
         self.mgr = mgr
-        self.max_model_len = mgr.max_model_len
+        self.config = mgr.config
         self.executor = OpExecutor(mgr)
         self.owner = self.executor.lifecycle.open(1)
         self.calls = 0
+        self.frames = 0
         self.peak_usage = 0.0
 
-    def run_op(self, op):
-        """Execute one protocol op; its reply (an error reply raises it)."""
-        reply = self.executor.execute(self.owner, op)
-        if reply.__class__ is p.Error:
-            raise_reply(reply)
-        return reply
+    def run_frame(self, ops: list) -> list:
+        """Execute `ops` as one Batch frame: their replies (a failed op
+        raises its error)."""
+        return batch_results(self.executor.execute(self.owner, p.Batch(ops)))
 
-    def add(self, seq: Seq) -> None:
-        """A new request (its prompt), before its first lookup."""
-        self.run_op(p.AddRequest(seq.rid, seq.prompt))
-
-    def lookup(self, seq: Seq):
-        """Prefix-cache hits of a waiting request: (blocks, num hit tokens)."""
-        self.calls += 1
-        r = self.run_op(p.GetComputedBlocks(seq.rid))
-        return r.block_ids, r.num_computed_tokens
-
-    def allocate(self, seq: Seq, n: int, num_hit: int = 0, hits=None):
-        """Slots for `n` new tokens (after `num_hit` cached ones on admission,
-        with the hits of the last `lookup` when `hits` is given): the new
-        block ids, or None if out of blocks."""
-        self.calls += 1
-        op = (p.AllocateSlots(seq.rid, n) if hits is None
-              else p.AllocateSlots(seq.rid, n, num_hit, True))
-        return self.run_op(op).new_block_ids
-
-    def free(self, seq: Seq, preempted: bool) -> None:
-        """Free the request's blocks; a preempted request is kept (and re-admitted)."""
-        self.calls += 1
-        self.run_op(p.Free(seq.rid, True) if preempted else p.Free(seq.rid))
-
-    def advance(self, seq: Seq, num_computed_tokens: int, appended) -> None:
-        """Bookkeeping: set the computed-token count, append sampled tokens."""
-        self.run_op(p.Advance(seq.rid, num_computed_tokens, list(appended)) if appended
-                    else p.Advance(seq.rid, num_computed_tokens))
-
-    def scheduled(self) -> None:
-        """This step's scheduling is done; the model runs next."""
+    def batch(self, ops: list) -> list:
+        replies = self.run_frame(ops)
+        self.calls += len(ops)
+        self.frames += 1
         self.peak_usage = max(self.peak_usage, self.mgr.usage)
-
-    def end_step(self) -> None:
-        """The step is over."""
+        return replies
 
 
-def run_workload(mgr: KVCacheManager, spec: WorkloadSpec = WorkloadSpec()) -> WorkloadResult:
-    """Drive `mgr` through `spec`; every request is freed at the end."""
+def run_workload(mgr: KVCacheManager, scheduler: Scheduler | None = None) -> WorkloadResult:
+    """Drive `mgr` through `scheduler` (default: `Scheduler()`); every
+    request is freed at the end."""
     backend = EmbeddedBackend(mgr)
-    sched = Scheduler(spec, mgr.max_model_len)
     t0 = time.perf_counter()
-    res = drive(backend, sched)
+    res = drive(backend, scheduler)
     res.seconds = time.perf_counter() - t0
     res.manager_calls = backend.calls
+    res.frames = backend.frames
     res.peak_usage = backend.peak_usage
     return res
