@@ -11,6 +11,7 @@ expect checked).  Prints ops/s and the ratio of medians; writes JSON.
     python scripts/bench_replay.py                      # the default trio
     python scripts/bench_replay.py --rounds 5 TRACE...  # any traces
     python scripts/bench_replay.py --no-reference       # kvshm only
+    python scripts/bench_replay.py --against main~3     # this tree vs a revision
 
 The reference needs `../shared/oracle/get_vllm.sh` run once (it downloads
 the vLLM wheel into /tmp/kvshm-oracle); without it, kvshm's figures alone
@@ -27,6 +28,7 @@ import sys
 from pathlib import Path
 
 from bench_common import ORACLE, ORACLE_PY, REPO, add_json_argument, write_results
+from bench_guard import GuardError, alternate, compare
 from kvshm.replay import bench_trace, expand_paths, load_trace
 
 TRACES = REPO / "tests" / "data" / "conformance" / "traces"
@@ -55,9 +57,14 @@ def main() -> int:
     ap.add_argument("traces", nargs="*", help="trace files or directories")
     ap.add_argument("--rounds", type=int, default=3, help="alternating rounds per trace")
     ap.add_argument("--no-reference", action="store_true")
+    ap.add_argument("--against", metavar="REV",
+                    help="compare this checkout with git revision REV instead (kvshm only, "
+                    "each side in its own process, --rounds alternating rounds)")
     add_json_argument(ap, "replay")
     args = ap.parse_args()
     paths = list(expand_paths(args.traces)) if args.traces else [TRACES / t for t in DEFAULT]
+    if args.against:
+        return against(args.against, args.rounds, paths, args.json)
     use_ref = not args.no_reference and ORACLE_PY.exists() and (ORACLE / "replay_vllm.py").exists()
     if not use_ref and not args.no_reference:
         print(f"(reference runner not found: run {ORACLE}/get_vllm.sh; kvshm only)")
@@ -87,6 +94,19 @@ def main() -> int:
         print(line, flush=True)
         results.append(row)
     write_results(args.json, {"benchmark": "replay", "rounds": args.rounds, "results": results})
+    return 0
+
+
+def against(rev: str, rounds: int, paths: list[Path], json_path: str) -> int:
+    """This checkout vs `rev` on the same trace files (bench_guard.py)."""
+    args = ["--no-reference", "--rounds", "1", *(str(p.resolve()) for p in paths)]
+    try:
+        ours, theirs = alternate(rev, rounds, "bench_replay.py", args, lambda doc: {
+            f"{r['trace']} ops/s": r["kvshm_ops_per_s"] for r in doc["results"]})
+    except GuardError as e:
+        print(f"bench_replay: {e}", file=sys.stderr)
+        return 2
+    write_results(json_path, {"benchmark": "replay", **compare(rev, ours, theirs)})
     return 0
 
 

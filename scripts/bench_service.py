@@ -46,6 +46,7 @@ encoding and decoding are.
     python scripts/bench_service.py                      # defaults (~1 min on 2 cores)
     python scripts/bench_service.py --rss-ops 1000000    # the long RSS run
     python scripts/bench_service.py --profile            # + cProfile of the coordinator
+    python scripts/bench_service.py --against REV --rounds 1 --rss-ops 0   # vs a revision
 """
 
 from __future__ import annotations
@@ -65,6 +66,8 @@ import msgspec
 import psutil
 
 from bench_common import add_json_argument, write_results
+from bench_guard import (GuardError, alternate, compare, forwarded_args, service_figures,
+    service_lower_is_better)
 from kvshm.config import PoolSource, add_pool_arguments, resolve_config
 from kvshm.core.errors import ConfigError
 from kvshm.core.metrics import percentile
@@ -337,8 +340,23 @@ def main() -> int:
     ap.add_argument("--profile", action="store_true",
                     help="print a cProfile of the coordinator handling 64-op frames in-process")
     ap.add_argument("--strict", action="store_true", help="exit 1 if a target is missed")
+    ap.add_argument("--against", metavar="REV", help="run this benchmark (its other "
+                    "arguments) in this checkout and in git revision REV, alternating, and "
+                    "compare their figures (scripts/bench_guard.py)")
+    ap.add_argument("--against-rounds", type=int, default=3, help="alternations (3)")
     add_json_argument(ap, "service")
     args = ap.parse_args()
+    if args.against:
+        try:
+            ours, theirs = alternate(args.against, args.against_rounds, "bench_service.py",
+                                     forwarded_args(sys.argv[1:], ("--against",
+                                                    "--against-rounds", "--json")),
+                                     service_figures)
+        except GuardError as e:
+            ap.exit(2, f"bench_service: {e}\n")
+        write_results(args.json, {"benchmark": "service", **compare(
+            args.against, ours, theirs, service_lower_is_better)})
+        return 0
     signal.signal(signal.SIGTERM, _sigterm)
     command = shlex.join([Path(sys.executable).name, *sys.argv])
     try:
