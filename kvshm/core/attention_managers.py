@@ -161,7 +161,35 @@ class SingleTypeManager:
                    -(-total_computed_tokens // bs),
                    -(-(num_tokens + self.extra_tokens) // bs))
 
+    def settled(self, request_id: str, num_tokens: int, total_computed_tokens: int,
+                num_cache_tokens: int) -> bool:
+        """Whether an allocation of `num_tokens` slots, with the window at
+        `total_computed_tokens` and blocks cached up to `num_cache_tokens`,
+        changes nothing in this group: the request holds its entry and the
+        blocks for them, none leaves the window and none is to be cached (a
+        decode step, mostly).  Mirrors remove_skipped_blocks,
+        allocate_new_blocks and cache_blocks."""
+        blocks = self.req_to_blocks.get(request_id)
+        if blocks is None:
+            return False
+        bs = self.block_size
+        n = len(blocks)
+        if -(-(num_tokens + self.extra_tokens) // bs) > n:
+            return False
+        if self.caches and num_cache_tokens // bs > self.num_cached_block.get(request_id, 0):
+            return False
+        if self.has_window:
+            k = self.get_num_skipped_tokens(total_computed_tokens) // bs
+            if k > n:
+                k = n
+            if k > 0 and blocks[k - 1] != NULL_BLOCK:
+                return False
+        return True
+
     # -- caching -------------------------------------------------------------
+    # Whether cache_blocks caches anything (cross-attention never does).
+    caches = True
+
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
         """Commit the request's full blocks up to `num_tokens` to the cache."""
         rid = request.request_id
@@ -477,6 +505,8 @@ class CrossAttentionManager(SingleTypeManager):
                               num_local_computed_tokens,
                               num_external_computed_tokens) -> int:
         return 0
+
+    caches = False
 
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
         return  # configs with a cross-attention group never cache

@@ -32,7 +32,11 @@ class GroupLogic:
         self.num_groups = len(self.managers)
         # Per group: whether it is cross-attention (sized by the encoder).
         self.cross = tuple(isinstance(m, CrossAttentionManager) for m in self.managers)
+        # The manager of a pool of one (non-cross) group, which the core
+        # calls directly on its hottest path; None otherwise.
+        self.single: SingleTypeManager | None = None
         if self.num_groups == 1 and not self.cross[0]:
+            self.single = self.managers[0]
             self._bind_single(self.managers[0])
 
     def _bind_single(self, m: SingleTypeManager) -> None:
@@ -94,6 +98,21 @@ class GroupLogic:
             out.append(m.allocate_new_blocks(request_id,
                                              num_encoder_tokens if cross else num_tokens))
         return tuple(out)
+
+    def settled(self, request_id: str, num_tokens: int, total_computed_tokens: int,
+                num_encoder_tokens: int, num_cache_tokens: int) -> bool:
+        """Whether the allocation changes nothing in any group
+        (SingleTypeManager.settled)."""
+        for m, cross in zip(self.managers, self.cross):
+            if not m.settled(request_id, num_encoder_tokens if cross else num_tokens,
+                             total_computed_tokens, num_cache_tokens):
+                return False
+        return True
+
+    def no_new_blocks(self) -> BlockIds:
+        """What an allocation that needed no block returns: an empty list
+        per group (fresh lists, as allocate_new_blocks gives)."""
+        return tuple([] for _ in self.managers)
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         for m in self.managers:

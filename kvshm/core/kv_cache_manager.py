@@ -85,6 +85,12 @@ class KVCacheManagerCore:
         self._widths = self.table.widths
         self._hbs = config.hash_block_size
         self._slot_of = self.table.slot_of
+        # The manager of a pool of one group whose type has no window and
+        # allocates no extra slots (full attention, MLA, sink): allocate_slots'
+        # shortest path is for it.
+        single = self.groups.single
+        self._plain = (single if single is not None and not single.has_window
+                       and not single.extra_tokens else None)
         self._words = segment.words
         if kv_events:
             self.enable_events()
@@ -242,6 +248,28 @@ class KVCacheManagerCore:
         request, bad hit lists), RequestTooLong, RequestTableFull; then
         nothing has changed.
         """
+        m = self._plain
+        if (m is not None and new_computed_blocks is None and num_new_tokens > 0
+                and num_lookahead_tokens >= 0
+                and not num_new_computed_tokens | num_external_computed_tokens
+                | num_encoder_tokens):
+            # A running request's step inside the blocks it holds, on a pool
+            # of one group without a window (most calls): nothing changes,
+            # so no frame and no mutation.  Mirrors the full path below
+            # (SingleTypeManager.settled); any other case takes that.
+            blocks = m.req_to_blocks.get(request.request_id)
+            if blocks is not None:
+                end = request.num_computed_tokens + num_new_tokens
+                need = end + num_lookahead_tokens
+                if (need <= len(blocks) * m.block_size and need <= self.max_model_len
+                        and self.free_floor <= self.block_pool.num_free_blocks):
+                    if not self.enable_caching or delay_cache_blocks:
+                        return ([],)
+                    num_tokens = request.num_tokens
+                    if ((end if end < num_tokens else num_tokens) // m.block_size
+                            <= m.num_cached_block.get(request.request_id, 0)
+                            and (len(request.block_hashes) + 1) * self._hbs > num_tokens):
+                        return ([],)
         rid = request.request_id
         if (num_new_tokens | num_new_computed_tokens | num_lookahead_tokens
                 | num_external_computed_tokens | num_encoder_tokens) < 0:
@@ -283,6 +311,18 @@ class KVCacheManagerCore:
 
         groups = self.groups
         pool = self.block_pool
+        if not adopts and self.free_floor <= pool.num_free_blocks:
+            # Nothing to change (a decode step inside its last block, mostly):
+            # no frame, no mutation, the answer allocate_new_blocks would give.
+            n = total_computed + num_new_tokens
+            cache_upto = (n if n < num_tokens else num_tokens) if caching else 0
+            single = groups.single
+            if single is not None:
+                if single.settled(rid, num_need_slot, total_computed, cache_upto):
+                    return ([],)
+            elif groups.settled(rid, num_need_slot, total_computed, num_encoder_tokens,
+                                cache_upto):
+                return groups.no_new_blocks()
         # The hot path opens its frame inline (see _begin / _end).
         self._words[SEQ_WORD] |= 1
         own_frame = not self._frame

@@ -1,0 +1,113 @@
+"""The hot path's short cuts give what the full path gives: an allocation
+that changes nothing (a decode step inside the blocks a request holds)
+returns at once and leaves every byte of the segment as it was; its error
+and refusal cases stay those of the full path; an executor that does not
+time its ops keeps every other counter; the replay's quick reply check
+agrees with the full comparison."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvshm import FullSpec, InvalidArgument, KVCacheManager, Request, SlidingWindowSpec
+from kvshm.core.metrics import read_metrics
+from kvshm.ops import protocol as p
+from kvshm.ops.executor import OpExecutor
+from kvshm.replay import TraceTranslator, check_reply
+
+import helpers
+from helpers import assert_clean, ids, step, tokens
+
+
+def segment_bytes(m: KVCacheManager) -> bytes:
+    with open(f"/dev/shm/{m.segment.name}", "rb") as f:
+        return f.read()
+
+
+@pytest.mark.parametrize("groups", [[FullSpec(4)], [FullSpec(4), SlidingWindowSpec(4, 8)]],
+                         ids=["full", "full+sliding"])
+def test_a_step_inside_held_blocks_changes_no_byte(groups):
+    with KVCacheManager(helpers.make_config(groups, num_blocks=24)) as m:
+        r = Request("r", tokens(0, 6), m.make_hasher())
+        assert ids(m.allocate_slots(r, 6)) == [[1, 2], [3, 4]][:len(groups)]
+        step(r, 6, [6])
+        before = segment_bytes(m)
+        assert ids(m.allocate_slots(r, 1)) == [[]] * len(groups)   # slot 7 of 8
+        assert segment_bytes(m) == before
+        step(r, 7, [7])
+        assert ids(m.allocate_slots(r, 1)) == [[]] * len(groups)   # slot 8, caches block 2
+        assert segment_bytes(m) != before
+        assert m.block_pool.block_hash(2) == r.block_hashes[1]
+        step(r, 8, [8])
+        new = m.allocate_slots(r, 1)   # a new block in every group
+        assert all(len(g) == 1 for g in new)
+        assert_clean(m)
+
+
+def test_the_window_sliding_past_a_block_takes_the_full_path():
+    with KVCacheManager(helpers.make_config([FullSpec(4), SlidingWindowSpec(4, 4)],
+                                            num_blocks=24)) as m:
+        r = Request("r", tokens(0, 7), m.make_hasher())
+        m.allocate_slots(r, 7)
+        free = m.num_free_blocks
+        step(r, 7, [7])
+        assert ids(m.allocate_slots(r, 1)) == [[], []]   # inside the blocks held...
+        assert m.num_free_blocks == free + 1             # ...but block 0 of the window left
+        assert m.get_block_ids("r")[1][0] == 0
+        assert_clean(m)
+
+
+def test_a_quota_floor_refuses_even_a_step_that_needs_no_block():
+    with KVCacheManager(helpers.make_config([FullSpec(4)], num_blocks=12)) as m:
+        r = Request("r", tokens(0, 6), m.make_hasher())
+        m.allocate_slots(r, 6)
+        step(r, 6, [6])
+        m.free_floor = m.num_free_blocks + 1   # a tenant over its quota
+        assert m.allocate_slots(r, 1) is None and m.refused_by_floor
+        m.free_floor = 0
+        assert ids(m.allocate_slots(r, 1)) == [[]]
+
+
+def test_a_request_whose_hashes_lag_is_refused_on_a_quiet_step_too():
+    with KVCacheManager(helpers.make_config([FullSpec(4)], num_blocks=12)) as m:
+        r = Request("r", tokens(0, 6), m.make_hasher())
+        m.allocate_slots(r, 6)
+        step(r, 6, [6])
+        r.block_hashes.pop()   # as a request hashed by another pool's hasher might
+        before = segment_bytes(m)
+        with pytest.raises(InvalidArgument, match="lacks block hashes"):
+            m.allocate_slots(r, 1)
+        assert segment_bytes(m) == before
+
+
+def test_an_untimed_executor_keeps_every_other_counter():
+    with KVCacheManager(helpers.make_config([FullSpec(4)], num_blocks=12)) as m:
+        ex = OpExecutor(m, time_ops=False)
+        owner = ex.lifecycle.open(1)
+        assert ex.execute(owner, p.AddRequest("a", tokens(0, 6))) == p.Done()
+        assert ex.execute(owner, p.Batch([p.AllocateSlots("a", 6), p.Free("a", True)])
+                          ).results[1].num_free_blocks == 11
+        bad = ex.execute(owner, p.Advance("nobody", 1))
+        assert bad.code == "UNKNOWN_REQUEST"
+        got = read_metrics(m.segment.metrics)
+        assert got["preemptions"] == 1 and got["errors"]["UNKNOWN_REQUEST"] == 1
+        assert got["ops"]["advance"]["errors"] == 1
+        assert all(sum(op["buckets"]) == 0 and op["seconds"] == 0
+                   for op in got["ops"].values())
+
+
+def test_the_quick_reply_check_agrees_with_the_full_one():
+    alloc = {"op": "allocate_slots", "req": "a", "num_new_tokens": 1,
+             "expect": {"new_block_ids": [[3]], "num_free_blocks": 7}}
+    quick, full = TraceTranslator.matches, TraceTranslator.got
+    for reply, same in [(p.Allocated(([3],), 7), True), (p.Allocated([[3]], 7), True),
+                        (p.Allocated(([4],), 7), False), (p.Allocated(([3],), 6), False),
+                        (p.Allocated(None, 7), False), (p.Error("BAD_ARGUMENT", "x"), False)]:
+        assert quick(alloc, reply) is same
+        assert (check_reply(alloc, full(alloc, reply), 2) is None) is same
+    free = {"op": "free", "req": "a", "expect": {"num_free_blocks": 9}}
+    assert quick(free, p.FreeBlocks(9)) and not quick(free, p.FreeBlocks(8))
+    advance = {"op": "advance", "req": "a", "num_computed_tokens": 3}
+    assert quick(advance, p.Done())
+    assert not quick(advance, p.Error("UNKNOWN_REQUEST", "x"))
+    assert check_reply(advance, full(advance, p.Error("UNKNOWN_REQUEST", "x")), 2) is not None
