@@ -23,7 +23,7 @@ import msgspec
 
 from kvshm.core.specs import CrossAttentionSpec, PoolConfig
 from kvshm.ops import protocol as p
-from kvshm.ops.executor import OpExecutor
+from kvshm.ops.executor import DONE, OpExecutor
 from kvshm.pool.kv_cache_manager import KVCacheManager
 
 FREE_HEAD_LEN = 64
@@ -70,7 +70,8 @@ class TraceTranslator:
 
     def __init__(self) -> None:
         self.tokens: dict[str, list[int]] = {}
-        self._build = {
+        # trace op name -> its message builder (`message`, inlined by replay_ops)
+        self.builders = {
             "advance": self._advance, "allocate_slots": _allocate_slots,
             "add_request": self._add_request,
             "get_computed_blocks": lambda op: p.GetComputedBlocks(op["req"]),
@@ -88,7 +89,7 @@ class TraceTranslator:
 
     def message(self, op: dict[str, Any]):
         """The protocol message for trace op `op`."""
-        build = self._build.get(op["op"])
+        build = self.builders.get(op["op"])
         if build is None:
             raise ValueError(f"unknown op {op['op']!r}")
         return build(op)
@@ -235,15 +236,22 @@ def replay_ops(replayer: EmbeddedReplayer, ops: list[dict[str, Any]]) -> Mismatc
     as line 1), or None.  An error reply, or an exception from kvshm, counts
     as a mismatch."""
     tr = replayer.translator
-    message, matches, got = tr.message, tr.matches, tr.got
+    build, matches, got = tr.builders, tr.matches, tr.got
     execute, owner = replayer.executor.execute, replayer.owner
     for i, op in enumerate(ops):
         try:
-            reply = execute(owner, message(op))
+            reply = execute(owner, build[op["op"]](op))
         except Exception as e:  # noqa: BLE001 - reported as the mismatch
+            if op["op"] not in build:
+                e = ValueError(f"unknown op {op['op']!r}")
             return Mismatch(i + 2, op["op"], op.get("req", ""), op.get("expect"),
                             f"raised {type(e).__name__}: {e}")
-        if not matches(op, reply) and (m := check_reply(op, got(op, reply), i + 2)) is not None:
+        if reply is DONE:   # (most ops: the executor's one Done)
+            if "expect" not in op:
+                continue
+        elif matches(op, reply):
+            continue
+        if (m := check_reply(op, got(op, reply), i + 2)) is not None:
             return m
     return None
 

@@ -40,3 +40,9 @@ def write_results(path: str | Path, doc: dict, *, indent: int = 2) -> Path:
         shown = path
     print(f"wrote {shown}")
     return path
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of process `pid` so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")

@@ -15,7 +15,17 @@ Three figures per frame, each the median (and p99) of `--rounds` round trips:
   pay per call).
 The frames: `GetBlockIds` of a held request, and the Batch the plugin sends
 for a running request's allocation (Advance + AllocateSlots, freed again).
-Prints a table and writes JSON (default bench-results/sync_client.json).
+
+Every figure is taken with the processes pinned, in two placements, since
+on a VM a wake-up across CPUs costs several times one on the same CPU (and
+an unpinned run lands on either at the scheduler's whim):
+- `separate_cpus`: the client on CPU 0, each server (echo or coordinator)
+  on CPU 1, as an engine and its coordinator run (the figures at the top
+  level of each frame's JSON, `sync_vs_echo_p50` among them);
+- `same_cpu`: client and server on CPU 0.
+On a one-CPU host only `same_cpu` is measured.  Prints a table and writes
+JSON (default bench-results/sync_client.json), with the CPU time the
+coordinator spent per round trip in each placement.
 """
 
 from __future__ import annotations
@@ -28,7 +38,7 @@ import statistics
 import tempfile
 import time
 
-from bench_common import add_json_argument, write_results
+from bench_common import add_json_argument, cpu_seconds, write_results
 from kvshm.core.metrics import percentile
 from kvshm.core.specs import FullSpec, PoolConfig
 from kvshm.ops import protocol as p
@@ -130,8 +140,24 @@ def frames(client, tag: str) -> dict:
     return {"get_block_ids": p.GetBlockIds(held), "alloc_step": step}
 
 
+def placements(cpus: list[int]) -> dict[str, tuple[set[int], set[int]]]:
+    """Placement name -> (the client's CPUs, the servers' CPUs), on `cpus`."""
+    out = {"same_cpu": ({cpus[0]}, {cpus[0]})}
+    if len(cpus) > 1:
+        out = {"separate_cpus": ({cpus[0]}, {cpus[1]}), **out}
+    return out
+
+
 def run(rounds: int) -> dict:
     out = {"rounds": rounds, "cpus": os.cpu_count(), "frames": {}}
+    home = os.sched_getaffinity(0)
+    try:
+        return _run(rounds, out, placements(sorted(home)))
+    finally:
+        os.sched_setaffinity(0, home)
+
+
+def _run(rounds: int, out: dict, layouts_to_measure: dict) -> dict:
     with tempfile.TemporaryDirectory(prefix="kvshm-bench-") as d, \
             CoordinatorProcess(CONFIG) as coord:
         ctx = mp.get_context("fork")
@@ -170,18 +196,32 @@ def run(rounds: int) -> dict:
             def sync_rt():
                 client.request(msg)
 
-            row = {"frame_bytes": len(frame)}
-            # Interleave the three, three times, so drift hits all alike.
-            parts = {"echo": [], "uvloop_echo": [], "raw": [], "sync": []}
-            for _ in range(3):
-                for key, fn in (("echo", echo_rt), ("uvloop_echo", uv_rt), ("raw", raw_rt),
-                                ("sync", sync_rt)):
-                    parts[key].append(_time(fn, rounds // 3))
-            for key, runs in parts.items():
-                row[key] = {m: statistics.median(r[m] for r in runs) for m in runs[0]}
-            row["sync_vs_echo_p50"] = row["sync"]["p50_us"] / row["echo"]["p50_us"]
-            row["sync_vs_raw_p50"] = row["sync"]["p50_us"] / row["raw"]["p50_us"]
-            out["frames"][name] = row
+            layouts = {}
+            for where, (mine, theirs) in layouts_to_measure.items():
+                os.sched_setaffinity(0, mine)
+                for pid in (coord.proc.pid, *(proc.pid for proc in servers)):
+                    os.sched_setaffinity(pid, theirs)
+                row = {"frame_bytes": len(frame), "client_cpus": sorted(mine),
+                       "server_cpus": sorted(theirs)}
+                # Interleave the four, three times, so drift hits all alike.
+                parts = {"echo": [], "uvloop_echo": [], "raw": [], "sync": []}
+                cpu = 0.0
+                for _ in range(3):
+                    for key, fn in (("echo", echo_rt), ("uvloop_echo", uv_rt), ("raw", raw_rt),
+                                    ("sync", sync_rt)):
+                        before = cpu_seconds(coord.proc.pid)
+                        parts[key].append(_time(fn, rounds // 3))
+                        if key == "sync":
+                            cpu += cpu_seconds(coord.proc.pid) - before
+                for key, runs in parts.items():
+                    row[key] = {m: statistics.median(r[m] for r in runs) for m in runs[0]}
+                row["sync_vs_echo_p50"] = row["sync"]["p50_us"] / row["echo"]["p50_us"]
+                row["sync_vs_raw_p50"] = row["sync"]["p50_us"] / row["raw"]["p50_us"]
+                # (warm-up calls included: a slight over-estimate)
+                row["coordinator_cpu_us_per_sync_call"] = cpu / (3 * (rounds // 3)) * 1e6
+                layouts[where] = row
+            first = next(iter(layouts.values()))
+            out["frames"][name] = {**first, "placements": layouts}
         client.close()
         raw.close()
         for sock in socks.values():
@@ -198,14 +238,17 @@ def main(argv=None) -> int:
     add_json_argument(ap, "sync_client")
     args = ap.parse_args(argv)
     res = run(args.rounds)
-    print(f"{'frame':<16}{'bytes':>6}{'echo p50':>10}{'uv echo':>9}{'raw p50':>10}"
-          f"{'sync p50':>10}{'sync p99':>10}{'sync/echo':>11}{'sync/raw':>10}   (microseconds)")
-    for name, r in res["frames"].items():
-        print(f"{name:<16}{r['frame_bytes']:>6}{r['echo']['p50_us']:>10.1f}"
-              f"{r['uvloop_echo']['p50_us']:>9.1f}"
-              f"{r['raw']['p50_us']:>10.1f}{r['sync']['p50_us']:>10.1f}"
-              f"{r['sync']['p99_us']:>10.1f}{r['sync_vs_echo_p50']:>10.2f}x"
-              f"{r['sync_vs_raw_p50']:>9.2f}x")
+    print(f"{'frame':<16}{'placement':<15}{'bytes':>6}{'echo p50':>10}{'uv echo':>9}"
+          f"{'raw p50':>10}{'sync p50':>10}{'sync p99':>10}{'sync/echo':>11}{'sync/raw':>10}"
+          f"{'coord CPU':>11}   (microseconds)")
+    for name, frame in res["frames"].items():
+        for where, r in frame["placements"].items():
+            print(f"{name:<16}{where:<15}{r['frame_bytes']:>6}{r['echo']['p50_us']:>10.1f}"
+                  f"{r['uvloop_echo']['p50_us']:>9.1f}"
+                  f"{r['raw']['p50_us']:>10.1f}{r['sync']['p50_us']:>10.1f}"
+                  f"{r['sync']['p99_us']:>10.1f}{r['sync_vs_echo_p50']:>10.2f}x"
+                  f"{r['sync_vs_raw_p50']:>9.2f}x"
+                  f"{r['coordinator_cpu_us_per_sync_call']:>11.1f}")
     write_results(args.json, res)
     return 0
 

@@ -53,7 +53,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench_common import RESULTS
+from bench_common import RESULTS, cpu_seconds
 from kvshm.config import model_pool_config, parse_size
 from kvshm.core.errors import ConfigError
 from kvshm.core.metrics import percentile, read_metrics
@@ -92,12 +92,6 @@ def rag_streams(engines: int, shared: bool, seed: int, vocab: int) -> list[dict]
 def one_at_a_time(work: list[dict]) -> list[dict]:
     """The same streams, every request its own phase (in order)."""
     return [{"phases": [[r] for ph in wl["phases"] for r in ph]} for wl in work]
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of process `pid` so far."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def pool_counters(coord) -> dict:
