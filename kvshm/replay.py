@@ -121,13 +121,22 @@ class TraceTranslator:
             return want is None
         if want is None:
             return False
+        # (each expect shape has exactly the keys `got` builds)
         if cls is p.Allocated:
             new = reply.new_block_ids
-            return (want["num_free_blocks"] == reply.num_free_blocks
-                    and want["new_block_ids"] == (new if new is None or new.__class__ is list
-                                                  else list(new)))
+            return (len(want) == 2 and want.get("num_free_blocks") == reply.num_free_blocks
+                    # (the core's allocations are tuples of lists)
+                    and want.get("new_block_ids") == (new if new is None or new.__class__ is list
+                                                      else list(new)))
         if cls is p.FreeBlocks:
-            return want["num_free_blocks"] == reply.num_free_blocks
+            return len(want) == 1 and want.get("num_free_blocks") == reply.num_free_blocks
+        if cls is p.ComputedBlocks:
+            return (len(want) == 2
+                    and want.get("num_computed_tokens") == reply.num_computed_tokens
+                    and want.get("block_ids") == _lists(reply.block_ids))
+        if cls is p.Stats and op["op"] == "check":
+            return (len(want) == 2 and want.get("num_free_blocks") == reply.num_free_blocks
+                    and want.get("free_head") == reply.free_head)
         return False
 
     @staticmethod

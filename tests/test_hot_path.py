@@ -7,6 +7,7 @@ agrees with the full comparison."""
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from kvshm import FullSpec, InvalidArgument, KVCacheManager, Request, SlidingWindowSpec
@@ -111,3 +112,27 @@ def test_the_quick_reply_check_agrees_with_the_full_one():
     assert quick(advance, p.Done())
     assert not quick(advance, p.Error("UNKNOWN_REQUEST", "x"))
     assert check_reply(advance, full(advance, p.Error("UNKNOWN_REQUEST", "x")), 2) is not None
+
+
+def test_the_quick_check_of_lookups_and_free_queue_heads():
+    quick, full = TraceTranslator.matches, TraceTranslator.got
+    hits = {"op": "get_computed_blocks", "req": "a",
+            "expect": {"block_ids": [[1, 2]], "num_computed_tokens": 32}}
+    check = {"op": "check", "expect": {"num_free_blocks": 5, "free_head": [3, 4]}}
+    usage = {"op": "usage", "expect": {"usage": 0.5}}
+    stats = p.Stats(10, 5, 0, 0.5, 0, 0, 0, 0, 0, 0, [3, 4])
+    cases = [(hits, p.ComputedBlocks(([1, 2],), 32), True),
+             (hits, p.ComputedBlocks(((1, 2),), 32), True),
+             (hits, p.ComputedBlocks(([1],), 16), False),
+             (hits, p.ComputedBlocks(([1, 2],), 16), False),
+             (check, stats, True),
+             (check, msgspec.structs.replace(stats, free_head=[4, 3]), False),
+             (check, msgspec.structs.replace(stats, num_free_blocks=6), False),
+             (usage, stats, False)]   # (a float within tolerance: the full check decides)
+    for op, reply, same in cases:
+        assert quick(op, reply) is same, (op, reply)
+        if same:
+            assert check_reply(op, full(op, reply), 2) is None
+    assert check_reply(usage, full(usage, stats), 2) is None
+    extra = {**hits, "expect": {**hits["expect"], "more": 1}}
+    assert not quick(extra, p.ComputedBlocks(([1, 2],), 32))

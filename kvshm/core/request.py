@@ -126,7 +126,13 @@ class Request:
         if tokens is None:
             raise InvalidArgument(
                 f"request {self.request_id!r} was made from block hashes: append hashes")
-        tokens.extend(_checked_tokens(token_ids))
+        if token_ids.__class__ is not list:
+            token_ids = list(token_ids)
+        try:
+            array("I", token_ids)  # _checked_tokens, inline: a decode step's hot path
+        except (TypeError, OverflowError):
+            raise InvalidArgument("token ids must be integers in [0, 2**32)") from None
+        tokens.extend(token_ids)
         self.num_tokens = len(tokens)
         hasher = self._hasher
         if hasher is not None and (len(self.block_hashes) + 1) * hasher.block_size <= len(tokens):

@@ -112,6 +112,14 @@ class OpExecutor:
         self._op_base = {cls: op_base(cls.__struct_config__.tag) for cls in self._dispatch}
         self.lifecycle = SessionLifecycle(self)
 
+    @property
+    def handlers(self) -> dict:
+        """Message class -> its handler, `handler(owner, msg) -> reply`, which
+        raises on errors; `execute` wraps it with the tenant's scope, op
+        timing and error replies (scripts/profile_replay.py times the two
+        apart)."""
+        return self._dispatch
+
     def hasher_for(self, tenant: str):
         """The block hasher of `tenant`'s namespace (None: caching off)."""
         if self._base_hasher is None:
