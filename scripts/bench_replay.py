@@ -12,6 +12,17 @@ expect checked).  Prints ops/s and the ratio of medians; writes JSON.
     python scripts/bench_replay.py --rounds 5 TRACE...  # any traces
     python scripts/bench_replay.py --no-reference       # kvshm only
     python scripts/bench_replay.py --against main~3     # this tree vs a revision
+    python scripts/bench_replay.py --instructions       # + instructions per op
+    python scripts/bench_replay.py --instructions --against main~3
+
+`--instructions` also counts the instructions one op takes (valgrind's
+callgrind: the difference between 3 replays and 1 in a fresh interpreter,
+trace parsing excluded, over the ops), for kvshm and the reference; with
+`--against`, for each tree.  Unlike seconds, the count is the same from run
+to run whatever else the machine does (to within 0.5 %), so it shows a
+change of a few per cent that the noise of a shared machine hides; time
+per instruction differs between the two codes, so quote ratios of seconds
+as the speed figure and counts as the evidence for a change.
 
 The reference needs `../shared/oracle/get_vllm.sh` run once (it downloads
 the vLLM wheel into /tmp/kvshm-oracle); without it, kvshm's figures alone
@@ -21,14 +32,16 @@ are printed.
 from __future__ import annotations
 
 import argparse
+import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
 from pathlib import Path
 
 from bench_common import ORACLE, ORACLE_PY, REPO, add_json_argument, write_results
-from bench_guard import GuardError, alternate, compare
+from bench_guard import GuardError, alternate, compare, revision_tree
 from kvshm.replay import bench_trace, expand_paths, load_trace
 
 TRACES = REPO / "tests" / "data" / "conformance" / "traces"
@@ -39,6 +52,50 @@ DEFAULT = [
     "eagle-full16-large-short-s2503.jsonl.gz",
 ]
 _OPS = re.compile(r"-> ([\d,]+) ops/s")
+_COLLECTED = re.compile(r"Collected : (\d+)")
+# What valgrind runs: K replays of a trace after loading it, with kvshm's
+# embedded replay (the API every revision since 0b3bf97 has) or the
+# reference runner's.
+_KVSHM_LOOP = """import sys
+from pathlib import Path
+from kvshm.replay import EmbeddedReplayer, load_trace, replay_ops, trace_pool_config
+cfg, ops = load_trace(Path(sys.argv[1]))
+config = trace_pool_config(cfg, ops)
+for _ in range(int(sys.argv[2])):
+    r = EmbeddedReplayer(config)
+    assert replay_ops(r, ops) is None
+    r.close()
+"""
+_REFERENCE_LOOP = """import sys
+sys.path.insert(0, sys.argv[3])
+import replay_vllm
+from pathlib import Path
+cfg, ops = replay_vllm.load(Path(sys.argv[1]))
+for _ in range(int(sys.argv[2])):
+    ok, msg = replay_vllm.replay(cfg, ops)
+    assert ok, msg
+"""
+
+
+def instructions_per_op(path: Path, num_ops: int, *, tree: Path = REPO,
+                        reference: bool = False) -> float:
+    """Instructions one trace op takes (see the module doc).  Raises
+    RuntimeError when valgrind is missing or the replay fails."""
+    if shutil.which("valgrind") is None:
+        raise RuntimeError("--instructions needs valgrind (the Debian package valgrind)")
+    counts = []
+    for k in (1, 3):
+        py, loop = (ORACLE_PY, _REFERENCE_LOOP) if reference else (sys.executable, _KVSHM_LOOP)
+        proc = subprocess.run(
+            ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null", str(py), "-c",
+             loop, str(path), str(k), str(ORACLE)],
+            # (cwd: `python -c` puts it first on sys.path)
+            capture_output=True, text=True, cwd=tree, env={**os.environ, "PYTHONPATH": str(tree)})
+        m = _COLLECTED.search(proc.stderr)
+        if proc.returncode != 0 or not m:
+            raise RuntimeError(f"counting {path.name} failed:\n{proc.stderr[-2000:]}")
+        counts.append(int(m.group(1)))
+    return (counts[1] - counts[0]) / 2 / num_ops
 
 
 def reference_ops_per_second(path: Path) -> float | None:
@@ -60,11 +117,13 @@ def main() -> int:
     ap.add_argument("--against", metavar="REV",
                     help="compare this checkout with git revision REV instead (kvshm only, "
                     "each side in its own process, --rounds alternating rounds)")
+    ap.add_argument("--instructions", action="store_true",
+                    help="also count instructions per op under valgrind (deterministic)")
     add_json_argument(ap, "replay")
     args = ap.parse_args()
     paths = list(expand_paths(args.traces)) if args.traces else [TRACES / t for t in DEFAULT]
     if args.against:
-        return against(args.against, args.rounds, paths, args.json)
+        return against(args.against, args.rounds, paths, args.json, args.instructions)
     use_ref = not args.no_reference and ORACLE_PY.exists() and (ORACLE / "replay_vllm.py").exists()
     if not use_ref and not args.no_reference:
         print(f"(reference runner not found: run {ORACLE}/get_vllm.sh; kvshm only)")
@@ -91,22 +150,49 @@ def main() -> int:
             row["ratio"] = row["kvshm_ops_per_s"] / row["reference_ops_per_s"]
             line += (f"   vLLM {row['reference_ops_per_s']:>10,.0f} ops/s"
                      f"   ratio {row['ratio']:.2f}x")
+        if args.instructions:
+            try:
+                row["kvshm_instructions_per_op"] = instructions_per_op(path, len(ops))
+                line += f"   {row['kvshm_instructions_per_op']:,.0f} instr/op"
+                if use_ref:
+                    row["reference_instructions_per_op"] = instructions_per_op(
+                        path, len(ops), reference=True)
+                    row["instructions_ratio"] = (row["reference_instructions_per_op"]
+                                                 / row["kvshm_instructions_per_op"])
+                    line += (f" (vLLM {row['reference_instructions_per_op']:,.0f}, "
+                             f"{row['instructions_ratio']:.2f}x fewer)")
+            except RuntimeError as e:
+                print(f"bench_replay: {e}", file=sys.stderr)
+                return 2
         print(line, flush=True)
         results.append(row)
     write_results(args.json, {"benchmark": "replay", "rounds": args.rounds, "results": results})
     return 0
 
 
-def against(rev: str, rounds: int, paths: list[Path], json_path: str) -> int:
-    """This checkout vs `rev` on the same trace files (bench_guard.py)."""
+def against(rev: str, rounds: int, paths: list[Path], json_path: str,
+            instructions: bool) -> int:
+    """This checkout vs `rev` on the same trace files (bench_guard.py); with
+    `instructions`, also each tree's instructions per op (counted once:
+    they do not vary)."""
     args = ["--no-reference", "--rounds", "1", *(str(p.resolve()) for p in paths)]
     try:
         ours, theirs = alternate(rev, rounds, "bench_replay.py", args, lambda doc: {
             f"{r['trace']} ops/s": r["kvshm_ops_per_s"] for r in doc["results"]})
-    except GuardError as e:
+        if instructions:
+            with revision_tree(rev) as tree:
+                for path in paths:
+                    n = len(load_trace(path)[1])
+                    key = f"{path.name} instructions/op"
+                    for side, where in ((ours, REPO), (theirs, tree)):
+                        count = instructions_per_op(path, n, tree=where)
+                        for rnd in side:
+                            rnd[key] = count
+    except (GuardError, RuntimeError) as e:
         print(f"bench_replay: {e}", file=sys.stderr)
         return 2
-    write_results(json_path, {"benchmark": "replay", **compare(rev, ours, theirs)})
+    write_results(json_path, {"benchmark": "replay", **compare(
+        rev, ours, theirs, lambda name: name.endswith("instructions/op"))})
     return 0
 
 

@@ -32,7 +32,7 @@ from __future__ import annotations
 from array import array
 
 from kvshm.core.state import (FRAME, FRAME_CACHE_STAMP_WORD, META, PREFIX, RID_BYTES, ROW,
-    SESSION, SLOT_META_FIELDS, STATS, UNDO_LEN_WORD)
+    ROW_WORDS, SESSION, SESSION_ENTRY_WORDS, SLOT_META_FIELDS, STATS, STATS_WORDS, UNDO_LEN_WORD)
 
 
 class Journal:
@@ -79,17 +79,28 @@ class Journal:
             self.n = 0
         self.open = False
 
-    def _append(self, entry) -> None:
+    def _start(self) -> int:
+        """Where the next entry goes (the log's word index): the frame's
+        first entry first marks the frame open in the segment."""
         n = self.n
-        if not n:   # the frame's first entry: mark the frame open in the segment
+        if not n:
             self._words[self._stamp_word] = self._stamp
             self._log[0] = FRAME
             n = 1
-        m = n + len(entry)
+        return n
+
+    def _close(self, m: int) -> None:
+        """The entry ending before word `m` is complete: it counts from here on."""
         assert m <= len(self._log), "frame_bound() sizes the log for any frame"
-        self._log[n:m] = entry
         self.n = m
-        self._words[self._len_word] = m   # the entry counts from here on
+        self._words[self._len_word] = m
+
+    def _append(self, entry) -> None:
+        """Append `entry` (an array of words) as one slice copy."""
+        n = self._start()
+        m = n + len(entry)
+        self._log[n:m] = entry
+        self._close(m)
 
     # -- entries (no-ops outside a frame) ------------------------------------------
     def row(self, slot: int, group: int) -> None:
@@ -102,7 +113,16 @@ class Journal:
         c = self._counts
         count = c[key * 2]
         self._rows[key] = count
-        self._append(array("q", (ROW, slot, group, count, c[key * 2 + 1])))
+        # The frequent entries (ROW, STATS, SESSION) are stored word by word
+        # into the log: no array is made per entry.
+        n = self._start()
+        log = self._log
+        log[n] = ROW
+        log[n + 1] = slot
+        log[n + 2] = group
+        log[n + 3] = count
+        log[n + 4] = c[key * 2 + 1]
+        self._close(n + ROW_WORDS)
 
     def ids(self, slot: int, group: int, index: int) -> None:
         """Row (slot, group)'s ids from `index` on are about to change."""
@@ -135,10 +155,19 @@ class Journal:
         if not self.open or self._stats:
             return
         self._stats = True
-        self._append(array("q", (STATS, *values)))
+        n = self._start()
+        log = self._log
+        log[n] = STATS
+        log[n + 1], log[n + 2], log[n + 3], log[n + 4] = values
+        self._close(n + STATS_WORDS)
 
     def session(self, slot: int, last_seq: int) -> None:
         """Session record `slot`'s last applied seq (now `last_seq`) is about
         to change."""
         if self.open:
-            self._append(array("q", (SESSION, slot, last_seq)))
+            n = self._start()
+            log = self._log
+            log[n] = SESSION
+            log[n + 1] = slot
+            log[n + 2] = last_seq
+            self._close(n + SESSION_ENTRY_WORDS)
