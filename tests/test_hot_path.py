@@ -136,3 +136,33 @@ def test_the_quick_check_of_lookups_and_free_queue_heads():
     assert check_reply(usage, full(usage, stats), 2) is None
     extra = {**hits, "expect": {**hits["expect"], "more": 1}}
     assert not quick(extra, p.ComputedBlocks(([1, 2],), 32))
+
+
+def test_a_lookup_s_own_hits_skip_the_block_check_only_while_nothing_was_uncached():
+    from kvshm.core.errors import StaleHits
+    from kvshm.core.kv_cache_manager import Hits
+
+    with KVCacheManager(helpers.make_config([FullSpec(4)], num_blocks=12)) as m:
+        h = m.make_hasher()
+        a = Request("a", tokens(0, 12), h)
+        m.allocate_slots(a, 12)
+        b = Request("b", tokens(0, 9), h)
+        hits, n = m.get_computed_blocks(b)
+        assert hits.__class__ is Hits and (ids(hits), n) == ([[1, 2]], 8)
+        assert hits.request_id == "b" and hits.uncached == m.block_pool.uncached
+        # Another request's lookup is checked block by block: b's hashes
+        # are not c's, so the blocks are stale for it.
+        c = Request("c", tokens(50, 59), h)
+        with pytest.raises(StaleHits):
+            m.allocate_slots(c, 1, n, hits)
+        # Once a block has lost its hash, b's own hits are checked too.
+        m.evict_blocks([3])                     # (a cached block b does not use)
+        assert hits.uncached != m.block_pool.uncached
+        assert ids(m.allocate_slots(b, 1, n, hits)) == [[4]]
+        # The same hits again: b holds blocks now.
+        with pytest.raises(InvalidArgument, match="already holds blocks"):
+            m.allocate_slots(b, 1, n, hits)
+        d = Request("d", tokens(0, 9), h)
+        hits, n = m.get_computed_blocks(d)
+        assert ids(m.allocate_slots(d, 1, n, hits)) == [[5]]   # the quick way
+        assert_clean(m)

@@ -90,6 +90,10 @@ class BlockPool:
         self.reader = 0
         self.pending: dict[int, int] = {}
         self.num_dropped_pending = 0
+        # How often a cached block lost its hash in this process (evicted,
+        # dropped pending, or reset): while it stays the same, every hit a
+        # lookup found is still cached under the hash it was found by.
+        self.uncached = 0
         if attach:
             # The adopting process is the only writer: read fields directly
             # (a dead writer may have left the mutation counter odd).
@@ -333,6 +337,7 @@ class BlockPool:
             self.pending.pop(b, None)
         self._flags[b] = 0
         self.num_cached_blocks -= 1
+        self.uncached += 1
         self._words[EVICTED_WORD] += 1
         if self.events is not None:
             self.events.removed(key, self._group[b])
@@ -365,6 +370,7 @@ class BlockPool:
         flags[:] = bytes(len(flags))
         flags[NULL_BLOCK] = FLAG_NULL
         self.num_cached_blocks = 0
+        self.uncached += 1
         if self.events is not None:
             self.events.cleared()
         return True

@@ -26,6 +26,18 @@ from kvshm.core.state import FLAG_PENDING, SEQ_WORD, SegmentState
 from kvshm.core.table import RequestTable
 
 
+class Hits(tuple):
+    """What `get_computed_blocks` returns when it found hits: the blocks per
+    group, a tuple as ever, that also knows its lookup (`request_id`, and
+    the pool's `uncached` count then).  While the count is unchanged every
+    block in it is still cached under the hash it was found by, so
+    `allocate_slots` need not look at each again (a lookup the caller built
+    itself, or one from before an eviction, is checked block by block)."""
+
+    request_id: str
+    uncached: int
+
+
 class KVCacheManagerCore:
     """The allocator for one pool, on its segment.
 
@@ -214,7 +226,12 @@ class KVCacheManagerCore:
         self._begin()
         self.block_pool.record_lookup(request.num_tokens, n)
         self._end()
-        return (blocks if any_blocks(blocks) else self.empty_blocks), n
+        if not any_blocks(blocks):
+            return self.empty_blocks, n
+        hits = Hits(blocks)
+        hits.request_id = request.request_id
+        hits.uncached = self.block_pool.uncached
+        return hits, n
 
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
         """Every block the request holds, per group (nulls included)."""
@@ -355,6 +372,16 @@ class KVCacheManagerCore:
         position (a block reused for other tokens since the lookup is a stale
         hit)."""
         rid = request.request_id
+        if (hits.__class__ is Hits and hits.uncached == self.block_pool.uncached
+                and hits.request_id == rid):
+            # This request's own lookup, nothing uncached since: its blocks
+            # stand; only the rule for requests holding blocks is left.
+            for m, blocks in zip(self.groups.managers, hits):
+                if blocks and (rid in m.num_cached_block or m.req_to_blocks.get(rid)):
+                    raise InvalidArgument(
+                        f"request {rid!r} already holds blocks: prefix-cache hits are "
+                        "only for a new (or preempted) request")
+            return
         if not self.enable_caching:
             raise InvalidArgument("prefix-cache hits passed to a pool with caching off")
         if len(hits) != self.num_kv_cache_groups:
