@@ -265,29 +265,27 @@ class KVCacheManagerCore:
         request, bad hit lists), RequestTooLong, RequestTableFull; then
         nothing has changed.
         """
+        rid = request.request_id
         m = self._plain
+        settled_checked = False
         if (m is not None and new_computed_blocks is None and num_new_tokens > 0
                 and num_lookahead_tokens >= 0
                 and not num_new_computed_tokens | num_external_computed_tokens
                 | num_encoder_tokens):
-            # A running request's step inside the blocks it holds, on a pool
-            # of one group without a window (most calls): nothing changes,
-            # so no frame and no mutation.  Mirrors the full path below
-            # (SingleTypeManager.settled); any other case takes that.
-            blocks = m.req_to_blocks.get(request.request_id)
-            if blocks is not None:
-                end = request.num_computed_tokens + num_new_tokens
-                need = end + num_lookahead_tokens
-                if (need <= len(blocks) * m.block_size and need <= self.max_model_len
-                        and self.free_floor <= self.block_pool.num_free_blocks):
-                    if not self.enable_caching or delay_cache_blocks:
+            # A running request's step on a pool of one group without a
+            # window (most calls), with the counts checked: when it changes
+            # nothing (SingleTypeManager.settled), no frame and no mutation.
+            computed = request.num_computed_tokens
+            end = computed + num_new_tokens
+            need = end + num_lookahead_tokens
+            if need <= self.max_model_len and self.free_floor <= self.block_pool.num_free_blocks:
+                num_tokens = request.num_tokens
+                caching = self.enable_caching and not delay_cache_blocks
+                if not caching or (len(request.block_hashes) + 1) * self._hbs > num_tokens:
+                    settled_checked = True
+                    if m.settled(rid, need, computed, (end if end < num_tokens else num_tokens)
+                                 if caching else 0):
                         return ([],)
-                    num_tokens = request.num_tokens
-                    if ((end if end < num_tokens else num_tokens) // m.block_size
-                            <= m.num_cached_block.get(request.request_id, 0)
-                            and (len(request.block_hashes) + 1) * self._hbs > num_tokens):
-                        return ([],)
-        rid = request.request_id
         if (num_new_tokens | num_new_computed_tokens | num_lookahead_tokens
                 | num_external_computed_tokens | num_encoder_tokens) < 0:
             raise InvalidArgument(
@@ -328,7 +326,7 @@ class KVCacheManagerCore:
 
         groups = self.groups
         pool = self.block_pool
-        if not adopts and self.free_floor <= pool.num_free_blocks:
+        if not adopts and not settled_checked and self.free_floor <= pool.num_free_blocks:
             # Nothing to change (a decode step inside its last block, mostly):
             # no frame, no mutation, the answer allocate_new_blocks would give.
             n = total_computed + num_new_tokens
