@@ -34,8 +34,10 @@ from kvshm.core.specs import (
     KVShape,
     MambaSpec,
     PoolConfig,
+    SERVE_TABLE,
     SlidingWindowSpec,
     check_engine_hash_seed,
+    read_config_file,
 )
 
 # The KV budget of a preset or vLLM model sized by neither blocks nor memory,
@@ -392,3 +394,31 @@ def model_pool_config(directory: str | Path, *, kv_memory: int, block_size: int 
         kv=KVShape(num_layers=m.num_layers, num_kv_heads=m.num_kv_heads,
                    head_size=m.head_size, dtype=dt, layout="layers"))
     return shape.replace(num_blocks=blocks_for_memory(shape.kv_block_bytes, kv_memory))
+
+
+# The keys of a config file's `[serve]` table: lists of the strings that
+# `kvshm serve`'s repeatable flag of the same name takes.
+SERVE_KEYS = {"tenant": "--tenant", "tenant_quota": "--tenant-quota"}
+
+
+def serve_options(config_file: str | Path | None) -> dict[str, list[str]]:
+    """The coordinator options of a config file's `[serve]` table (key ->
+    its strings; every key of SERVE_KEYS present, empty when not given).
+    `kvshm serve` adds its flags' values to them.  Raises ConfigError for a
+    key it does not know or a value that is not a list of strings."""
+    out: dict[str, list[str]] = {k: [] for k in SERVE_KEYS}
+    if not config_file:
+        return out
+    table = read_config_file(config_file).get(SERVE_TABLE, {})
+    if not isinstance(table, dict):
+        raise ConfigError(SERVE_TABLE, "must be a table of coordinator options "
+                          f"({', '.join(SERVE_KEYS)})")
+    for key, value in table.items():
+        if key not in SERVE_KEYS:
+            raise ConfigError(f"{SERVE_TABLE}.{key}", "unknown key; valid keys: "
+                              + ", ".join(SERVE_KEYS))
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise ConfigError(f"{SERVE_TABLE}.{key}", "must be a list of strings, each as "
+                              f"`kvshm serve {SERVE_KEYS[key]}` takes it")
+        out[key] = list(value)
+    return out

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from kvshm.cli import metrics
 from kvshm.cli.logs import LEVELS, setup_logging
-from kvshm.config import PoolSource, add_pool_arguments, resolve_config
+from kvshm.config import PoolSource, add_pool_arguments, resolve_config, serve_options
 from kvshm.core import fmt
 from kvshm.ops.sessions import DEFAULT_RESUME_GRACE
 from kvshm.ops.tenants import parse_quota
@@ -16,6 +16,7 @@ from kvshm.service.events import KVEventsConfig, import_zmq
 from kvshm.service.handshake import default_socket_path
 from kvshm.service.loop import run_async
 from kvshm.service.server import serve
+from kvshm.service.tenant_auth import TenantAuth
 
 HELP = "run the coordinator in the foreground"
 
@@ -41,6 +42,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="publish KV-cache events as vLLM does, for KV-aware routers: vLLM's "
                    "KVEventsConfig fields as JSON, e.g. '{\"enable_kv_cache_events\": true, "
                    "\"endpoint\": \"tcp://*:5557\"}' (needs kvshm[events]; docs/events.md)")
+    p.add_argument("--tenant", action="append", default=[], metavar="NAME=PROOF",
+                   help="declare tenant NAME and how its sessions prove it: uid:N (the "
+                   "client runs as user N), gid:N (in group N) or token:FILE (its Hello "
+                   "carries FILE's content; FILE must be mode 0600).  Repeatable; with any "
+                   "tenant declared, a session claiming an undeclared or unproven tenant is "
+                   "refused (`=PROOF` declares the default tenant)")
     p.add_argument("--tenant-quota", action="append", default=[], metavar="NAME=N|P%",
                    help="the most blocks tenant NAME's sessions may hold, a count or a "
                    "percentage of the pool (repeatable; `=N` is the default tenant); "
@@ -76,7 +83,10 @@ def main(args: argparse.Namespace) -> int:
         if kv_events.publishes:
             import_zmq()
     setup_logging(args.log_level or ("warning" if args.quiet else "info"), args.log_json)
-    quotas = dict(parse_quota(q, config.num_blocks - 1) for q in args.tenant_quota)
+    file_opts = serve_options(args.config)
+    quotas = dict(parse_quota(q, config.num_blocks - 1)
+                  for q in file_opts["tenant_quota"] + args.tenant_quota)
+    tenant_auth = TenantAuth.from_specs(file_opts["tenant"] + args.tenant)
     if args.metrics_port is not None:
         metrics.import_prometheus()
         metrics.check_port_free(args.metrics_port)
@@ -98,6 +108,9 @@ def main(args: argparse.Namespace) -> int:
                       f"{kv.num_kv_heads} KV heads x {kv.head_size}, {kv.dtype}, "
                       f"{fmt.nbytes(config.kv_block_bytes)} a block, {kv.layout} layout)",
                       flush=True)
+            if tenant_auth.declared:
+                for line in tenant_auth.describe():
+                    print(f"kvshm coordinator: {line}", flush=True)
         if args.metrics_port is not None:
             children.append(metrics.start_exporter_process(args.name, args.metrics_port))
         print(f"ready {args.name} {sock}", flush=True)
@@ -106,7 +119,7 @@ def main(args: argparse.Namespace) -> int:
         run_async(serve(config, name=args.name, socket_path=sock, **tokens,
                         allow_other_uids=args.allow_other_uids, fresh=args.fresh,
                         resume_grace=args.resume_grace, kv_events=kv_events,
-                        tenant_quotas=quotas, ready=ready))
+                        tenant_quotas=quotas, tenant_auth=tenant_auth, ready=ready))
     finally:
         for child in children:   # the exporter beside it
             child.terminate()

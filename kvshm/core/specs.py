@@ -399,19 +399,11 @@ class PoolConfig(msgspec.Struct, frozen=True, kw_only=True):
     @classmethod
     def from_file(cls, path: str | Path, **overrides: Any) -> "PoolConfig":
         """Load a `.toml` or `.json` file; a key that is no field (of the
-        config, a group spec or `kv`) is refused, naming the valid ones."""
-        path = Path(path)
-        try:
-            raw = path.read_bytes()
-        except OSError as e:
-            raise ConfigError("config", f"cannot read {path}: {e.strerror}") from None
-        try:
-            if path.suffix == ".toml":
-                data = tomllib.loads(raw.decode())
-            else:
-                data = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise ConfigError("config", f"{path} is not valid {path.suffix[1:] or 'JSON'}: {e}") from None
+        config, a group spec or `kv`) is refused, naming the valid ones.
+        Its `serve` table holds the coordinator's options, not the pool's
+        (`kvshm.config.serve_options` reads it)."""
+        data = read_config_file(path)
+        data.pop(SERVE_TABLE, None)
         return cls.from_dict(data, strict=True, **overrides)
 
     @classmethod
@@ -421,6 +413,29 @@ class PoolConfig(msgspec.Struct, frozen=True, kw_only=True):
         except (ValueError, UnicodeDecodeError) as e:
             raise ConfigError("config", f"not valid JSON: {e}") from None
         return cls.from_dict(data)
+
+
+SERVE_TABLE = "serve"
+
+
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """The mapping a `.toml` or `.json` config file holds.  Raises
+    ConfigError when it cannot be read or parsed."""
+    path = Path(path)
+    try:
+        raw = path.read_bytes()
+    except OSError as e:
+        raise ConfigError("config", f"cannot read {path}: {e.strerror}") from None
+    try:
+        if path.suffix == ".toml":
+            data = tomllib.loads(raw.decode())
+        else:
+            data = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ConfigError("config", f"{path} is not valid {path.suffix[1:] or 'JSON'}: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError("config", f"{path} holds {type(data).__name__}, not a mapping of keys")
+    return data
 
 
 def check_keys(data: Any, cls: type, path: str = "") -> None:

@@ -46,6 +46,7 @@ class Hello(_Op, tag="hello"):
     token: str = ""
     admin_token: str = ""   # the coordinator's admin token: reset, evict, free queue
     resume_token: str = ""  # take back a session after a coordinator restart
+    tenant_token: str = ""  # proves `tenant` where it is declared token:FILE
 
 
 class Welcome(_Op, tag="welcome"):

@@ -286,7 +286,8 @@ async def connect(path: str | os.PathLike | None = None, *, name: str | None = N
                   admin_token: str | None = None,
                   hash_algorithm: str | None = DEFAULT_HASH_ALGORITHM,
                   hash_seed: str = DEFAULT_HASH_SEED, timeout: float = 10.0,
-                  reconnect: "Reconnect | None" = None, resume: bool = True) -> Client:
+                  reconnect: "Reconnect | None" = None, resume: bool = True,
+                  tenant_token: str | None = None) -> Client:
     """Open a session with the coordinator listening at `path`, or with pool
     `name`'s (at its default socket, where `kvshm serve --name NAME` listens
     without `--socket`): give one of them.  `admin=True` reads the coordinator's generated admin
@@ -294,7 +295,11 @@ async def connect(path: str | os.PathLike | None = None, *, name: str | None = N
     then reset the prefix cache, evict blocks and read the free queue.
     The coordinator refuses a client whose `hash_algorithm` and `hash_seed`
     differ from the pool's (HashMismatch); `hash_algorithm=None` takes the
-    pool's, whatever they are (hash with `make_hasher()`).
+    pool's, whatever they are (hash with `make_hasher()`).  `tenant` names
+    the session's tenant; where the coordinator declares tenants (`kvshm
+    serve --tenant`), the claim must be proven: by this process's uid or
+    group, or by `tenant_token`, the content of the tenant's token file
+    (Forbidden otherwise).
 
     With `resume` (the default) the client rides through coordinator
     restarts: it reconnects with bounded exponential backoff (`reconnect`,
@@ -310,7 +315,7 @@ async def connect(path: str | os.PathLike | None = None, *, name: str | None = N
     path = socket_path(path, name)
     hello = make_hello(path, tenant=tenant, node=node, token=token, admin=admin,
                        admin_token=admin_token, hash_algorithm=hash_algorithm,
-                       hash_seed=hash_seed)
+                       hash_seed=hash_seed, tenant_token=tenant_token)
     wire, welcome = await open_wire(path, hello, timeout)
     return Client(path, hello, wire, welcome,
                   (reconnect or Reconnect()) if resume else None)

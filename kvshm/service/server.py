@@ -9,6 +9,7 @@ loop is the only writer and every operation (and every batch) is atomic.
 from __future__ import annotations
 
 import asyncio
+import errno
 import hmac
 import itertools
 import logging
@@ -50,6 +51,7 @@ from kvshm.pool.lifecycle import adopt_pool, create_pool
 from kvshm.service.events import EventPublisher, KVEventsConfig
 from kvshm.service.framing import MAX_FRAME_BYTES, FrameReader
 from kvshm.service.handshake import admin_token_path
+from kvshm.service.tenant_auth import Peer, TenantAuth
 from kvshm.service.process import early_stop_requested
 
 log = logging.getLogger("kvshm.coordinator")
@@ -67,6 +69,8 @@ class Session(asyncio.Protocol):
         self.hello: p.Hello | None = None
         self.owner: Owner | None = None     # set by the handshake
         self.peer_pid = 0
+        self.peer = Peer()              # the kernel's word on the client (SO_PEERCRED)
+        self.refusal_reason = ""        # why its handshake was refused, for the log
         self._bodies: deque = deque()   # frames read but not yet answered
         self._paused = False            # the peer is not reading our replies
 
@@ -77,9 +81,8 @@ class Session(asyncio.Protocol):
         self.id = next(self.coord._session_ids)
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family == socket.AF_UNIX:
-            creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
-                                    struct.calcsize("3i"))
-            self.peer_pid, uid, _gid = struct.unpack("3i", creds)
+            self.peer = peer_credentials(sock)
+            self.peer_pid, uid = self.peer.pid, self.peer.uid
             if uid != os.getuid() and not self.coord.allow_other_uids:
                 why = (f"peer uid {uid} is not this coordinator's uid {os.getuid()} "
                        "(serve with --allow-other-uids)")
@@ -152,6 +155,8 @@ class Coordinator:
             service/events.py).
         tenant_quotas: tenant -> the most blocks its sessions may hold
             (ops/tenants.py; a tenant not named is unlimited).
+        tenant_auth: the tenants sessions must prove (service/tenant_auth.py;
+            None or none declared: a session may name any tenant).
     """
 
     def __init__(self, config: PoolConfig, *, name: str, socket_path: str | Path,
@@ -162,8 +167,10 @@ class Coordinator:
                  write_buffer_high: int = 4 * 2**20, adopt: bool = False,
                  resume_grace: float = DEFAULT_RESUME_GRACE,
                  kv_events: KVEventsConfig | None = None,
-                 tenant_quotas: dict[str, int] | None = None) -> None:
+                 tenant_quotas: dict[str, int] | None = None,
+                 tenant_auth: TenantAuth | None = None) -> None:
         self.socket_path = Path(socket_path)
+        self.tenant_auth = tenant_auth or TenantAuth()
         self.token = token or None
         self.admin_token = admin_token or None
         self._admin_file: Path | None = None   # the token file start() wrote
@@ -328,7 +335,8 @@ class Coordinator:
                                               "the first message must be Hello"))
             reply = self._handshake(s, msg)
             if reply.__class__ is p.Error:  # no second guess on this connection
-                self.refused(s, f"{reply.code}: {reply.message}")
+                self.refused(s, f"{reply.code}: {reply.message}" + (
+                    f" ({s.refusal_reason})" if s.refusal_reason else ""))
                 s.transport.write(encode_frame(reply))
                 s.transport.close()
                 return None
@@ -362,6 +370,11 @@ class Coordinator:
         problem = tenant_name_problem(tenant)
         if problem:
             return p.Error(HandshakeError.code, problem)
+        # (before the tenant gets a slot: a refused claim changes nothing)
+        why = self.tenant_auth.refusal(tenant, s.peer, hello.tenant_token, admin=admin)
+        if why is not None:   # the reason goes to the log only (handle: refused)
+            s.refusal_reason = why
+            return p.Error(Forbidden.code, f"this session may not act as tenant {tenant!r}")
         ex = self.executor
         if ex.tenants.slot(tenant) is None:
             return p.Error(HandshakeError.code, f"this pool has {TENANT_SLOTS} tenants "
@@ -408,6 +421,30 @@ def _socket_answers(path: Path) -> bool:
         probe.close()
 
 
+SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)   # Linux >= 4.13
+
+
+def peer_credentials(sock: socket.socket) -> Peer:
+    """The pid, uid and groups (effective gid and supplementary ones) of the
+    process at the other end of Unix socket `sock`, as the kernel recorded
+    them when it connected."""
+    pid, uid, gid = struct.unpack("iII", sock.getsockopt(   # (uid_t, gid_t: unsigned)
+        socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("iII")))
+    gids = {gid}
+    size = 64 * 4
+    while size <= 65536 * 4:
+        try:
+            raw = sock.getsockopt(socket.SOL_SOCKET, SO_PEERGROUPS, size)
+        except OSError as e:
+            if e.errno == errno.ERANGE:   # more groups than the buffer holds
+                size *= 4
+                continue
+            break   # no SO_PEERGROUPS here: the effective gid only
+        gids.update(struct.unpack(f"{len(raw) // 4}I", raw[:len(raw) // 4 * 4]))
+        break
+    return Peer(pid, uid, frozenset(gids))
+
+
 def _read_token(path: Path) -> str:
     try:
         return path.read_text().strip()
@@ -436,6 +473,7 @@ async def serve(config: PoolConfig, *, name: str, socket_path: str | Path,
                 resume_grace: float = DEFAULT_RESUME_GRACE,
                 kv_events: KVEventsConfig | None = None,
                 tenant_quotas: dict[str, int] | None = None,
+                tenant_auth: TenantAuth | None = None,
                 ready: Callable[[Coordinator], None] | None = None) -> None:
     """Run a coordinator until SIGINT/SIGTERM, then shut down cleanly.
 
@@ -478,7 +516,8 @@ async def serve(config: PoolConfig, *, name: str, socket_path: str | Path,
         coord = Coordinator(config, name=name, socket_path=socket_path, token=token,
                             admin_token=admin_token, allow_other_uids=allow_other_uids,
                             adopt=info is not None, resume_grace=resume_grace,
-                            kv_events=kv_events, tenant_quotas=tenant_quotas)
+                            kv_events=kv_events, tenant_quotas=tenant_quotas,
+                            tenant_auth=tenant_auth)
     except BaseException:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)

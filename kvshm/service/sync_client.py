@@ -284,12 +284,13 @@ def connect_sync(path: str | os.PathLike | None = None, *, name: str | None = No
                  admin_token: str | None = None,
                  hash_algorithm: str | None = DEFAULT_HASH_ALGORITHM,
                  hash_seed: str = DEFAULT_HASH_SEED, timeout: float = 10.0,
-                 reconnect: Reconnect | None = None, resume: bool = True) -> SyncClient:
+                 reconnect: Reconnect | None = None, resume: bool = True,
+                 tenant_token: str | None = None) -> SyncClient:
     """Open a session (blocking) with the coordinator at `path` or pool
     `name`'s; the arguments and errors of `connect()`."""
     path = socket_path(path, name)
     hello = make_hello(path, tenant=tenant, node=node, token=token, admin=admin,
                        admin_token=admin_token, hash_algorithm=hash_algorithm,
-                       hash_seed=hash_seed)
+                       hash_seed=hash_seed, tenant_token=tenant_token)
     wire, welcome = open_wire_sync(path, hello, timeout)
     return SyncClient(path, hello, wire, welcome, (reconnect or Reconnect()) if resume else None)

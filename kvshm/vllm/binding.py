@@ -158,15 +158,19 @@ class PoolBinding:
             from kvshm.ops.errors import ConnectionLost, RequestTimeout
             from kvshm.service.handshake import default_socket_path
             from kvshm.service.sync_client import connect_sync
+            from kvshm.service.tenant_auth import read_token_file
             t = self.target
             path = t if ("/" in t or t.endswith(".sock")) else default_socket_path(t)
+            token_file = os.environ.get("KVSHM_TENANT_TOKEN_FILE")
+            # (read once, and refused unless private, as the coordinator reads its own)
+            tenant_token = read_token_file(token_file) if token_file else None
             deadline = time.monotonic() + float(os.environ.get("KVSHM_CONNECT_TIMEOUT", "30"))
             while True:
                 try:
                     self.client = connect_sync(
                         path, hash_algorithm=None, tenant=os.environ.get("KVSHM_TENANT", ""),
                         node=int(os.environ.get("KVSHM_NODE", "-1")),
-                        admin=os.environ.get("KVSHM_ADMIN") == "1")
+                        admin=os.environ.get("KVSHM_ADMIN") == "1", tenant_token=tenant_token)
                     break
                 except (ConnectionLost, RequestTimeout):
                     if time.monotonic() >= deadline:
