@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -10,6 +11,7 @@ from kvshm.cli import metrics
 from kvshm.cli.logs import LEVELS, setup_logging
 from kvshm.config import PoolSource, add_pool_arguments, resolve_config, serve_options
 from kvshm.core import fmt
+from kvshm.core.errors import ConfigError
 from kvshm.ops.sessions import DEFAULT_RESUME_GRACE
 from kvshm.ops.tenants import parse_quota
 from kvshm.service.events import KVEventsConfig, import_zmq
@@ -38,6 +40,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "before their requests are freed (%(default)s)")
     p.add_argument("--allow-other-uids", action="store_true",
                    help="accept clients of other users (default: same uid only)")
+    p.add_argument("--group", metavar="G",
+                   help="share the pool with the users of group G (a name or a gid): the "
+                   "socket 0660 and its directory 0750, the segments and the KV arena 0660, "
+                   "of group G; clients of other uids are accepted (the OS lets only G's "
+                   "members in).  The admin token stays 0600")
     p.add_argument("--kv-events-config", metavar="JSON",
                    help="publish KV-cache events as vLLM does, for KV-aware routers: vLLM's "
                    "KVEventsConfig fields as JSON, e.g. '{\"enable_kv_cache_events\": true, "
@@ -74,6 +81,7 @@ def main(args: argparse.Namespace) -> int:
             if not tokens[flag]:
                 print(f"kvshm serve: {path} is empty", file=sys.stderr)
                 return 2
+    group = None if args.group is None else resolve_group(args.group)
     if args.resume_grace < 0:
         print("kvshm serve: --resume-grace must be >= 0", file=sys.stderr)
         return 2
@@ -119,7 +127,8 @@ def main(args: argparse.Namespace) -> int:
         run_async(serve(config, name=args.name, socket_path=sock, **tokens,
                         allow_other_uids=args.allow_other_uids, fresh=args.fresh,
                         resume_grace=args.resume_grace, kv_events=kv_events,
-                        tenant_quotas=quotas, tenant_auth=tenant_auth, ready=ready))
+                        tenant_quotas=quotas, tenant_auth=tenant_auth, group=group,
+                        ready=ready))
     finally:
         for child in children:   # the exporter beside it
             child.terminate()
@@ -127,3 +136,18 @@ def main(args: argparse.Namespace) -> int:
     if not args.quiet:
         print("kvshm coordinator: stopped, segment removed", flush=True)
     return 0
+
+
+def resolve_group(spec: str) -> int:
+    """`--group`'s gid (a group name or number).  Raises ConfigError when
+    there is no such group, or this user may not give files to it (only
+    root may give them to a group it is not in)."""
+    import grp
+    try:
+        gid = int(spec) if spec.isdigit() else grp.getgrnam(spec).gr_gid
+    except KeyError:
+        raise ConfigError("group", f"no group named {spec!r}") from None
+    if os.geteuid() != 0 and gid not in (os.getegid(), *os.getgroups()):
+        raise ConfigError("group", f"this user (uid {os.geteuid()}) is not in group {spec!r}, "
+                          "so it cannot give the pool's files to it")
+    return gid

@@ -21,7 +21,7 @@ from kvshm.core.specs import PoolConfig
 from kvshm.pool.layout import Layout
 from kvshm.pool.kv_cache_manager import KVCacheManager
 from kvshm.pool.segment import PoolSegment, remove_segment, segment_info
-from kvshm.pool.shm import check_shm_space, lock_segment
+from kvshm.pool.shm import check_shm_space, lock_segment, share_with_group
 
 
 @dataclass
@@ -82,9 +82,20 @@ def pool_bytes(config: PoolConfig) -> int:
     return Layout(config).size + arena_bytes(config)
 
 
-def create_pool(config: PoolConfig, name: str) -> OpenPool:
+def _share(pool: OpenPool, group: int | None) -> OpenPool:
+    """With `group`: the pool's segments become 0660 to that group (closed,
+    not unlinked, when the OS refuses: the caller says whether to keep them)."""
+    if group is not None:
+        names = [pool.mgr.segment.name] + ([pool.arena.name] if pool.arena is not None else [])
+        for n in names:
+            share_with_group(n, group)
+    return pool
+
+
+def create_pool(config: PoolConfig, name: str, *, group: int | None = None) -> OpenPool:
     """A new pool named `name` (and its arena when the config has a KV
-    shape); both must fit in /dev/shm.  Raises ShmSpaceError, SegmentError."""
+    shape); both must fit in /dev/shm.  `group`: both are 0660 to that group
+    (share_with_group), else 0600.  Raises ShmSpaceError, SegmentError."""
     # Loaded on use (numpy): `kvshm rm` and `kvshm ls` need no arena mapped.
     from kvshm.pool.arena import KVArena, arena_name
     check_shm_space(pool_bytes(config))
@@ -101,13 +112,18 @@ def create_pool(config: PoolConfig, name: str) -> OpenPool:
         except BaseException:
             pool.close()
             raise
-    return pool
+    try:
+        return _share(pool, group)
+    except BaseException:
+        pool.close()
+        raise
 
 
-def adopt_pool(config: PoolConfig, name: str) -> OpenPool:
+def adopt_pool(config: PoolConfig, name: str, *, group: int | None = None) -> OpenPool:
     """Take over pool `name` left by a dead coordinator.  Raises
     SegmentError (locked by a live coordinator, another config, the arena
-    missing, a state repair cannot make consistent), leaving it untouched."""
+    missing, a state repair cannot make consistent), leaving it untouched.
+    Its segments keep their modes; `group` makes them 0660 to that group."""
     from kvshm.pool.arena import KVArena, arena_name   # loaded on use (numpy), as above
     lock = lock_segment(name)
     seg = arena = None
@@ -151,7 +167,11 @@ def adopt_pool(config: PoolConfig, name: str) -> OpenPool:
         pool.close(unlink=False)
         raise SegmentError(f"pool {name!r}: the check after repair failed "
                            f"({check.summary()}); the segments are kept")
-    return pool
+    try:
+        return _share(pool, group)
+    except BaseException:
+        pool.close(unlink=False)   # adopted, not ours to remove
+        raise
 
 
 def remove_pool(name: str, *, force: bool = False) -> list[str]:

@@ -155,6 +155,20 @@ def open_shm(name: str, what: str = "shared-memory segment",
         raise SegmentError(f"{path} is empty: not a {expected or what}") from None
 
 
+def share_with_group(name: str, gid: int) -> None:
+    """Make segment `name` readable and writable by group `gid` too (mode
+    0660, that group): `kvshm serve --group`, on its pool and its arena, so
+    that engines of several users share them.  Raises SegmentError when the
+    OS refuses (a user other than root may give its files only to a group
+    it belongs to)."""
+    path = f"{SHM_DIR}/{name}"
+    try:
+        os.chown(path, -1, gid)   # the group first: the mode then opens it to that group only
+        os.chmod(path, 0o660)
+    except OSError as e:
+        raise SegmentError(f"cannot give {path} to group {gid}: {e.strerror}") from None
+
+
 def check_shm_space(needed: int, path: str = SHM_DIR) -> None:
     """Raise ShmSpaceError if `path` has fewer than `needed` free bytes."""
     try:

@@ -33,6 +33,7 @@ from kvshm.ops import protocol as p
 from kvshm.ops.errors import (
     ConnectionClosed,
     ConnectionLost,
+    Forbidden,
     FrameTooLarge,
     ProtocolError,
     RequestTimeout,
@@ -329,6 +330,9 @@ async def open_wire(path, hello: p.Hello, timeout: float) -> tuple[_Wire, p.Welc
             loop.create_unix_connection(_Wire, str(path)), timeout)
     except (FileNotFoundError, ConnectionRefusedError) as e:
         raise ConnectionLost(f"no coordinator listening at {path}: {e.strerror}") from None
+    except PermissionError as e:   # the socket's (or its directory's) mode
+        raise Forbidden(f"connecting to {path}: {e.strerror} (the OS lets in only the "
+                        "coordinator's user, or the members of its --group)") from None
     except asyncio.TimeoutError:
         raise RequestTimeout(f"connecting to {path} took over {timeout}s") from None
     try:

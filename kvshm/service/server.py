@@ -150,6 +150,11 @@ class Coordinator:
             of the coordinator's user can read it and tenants of other
             users cannot.
         allow_other_uids: accept peers of another uid (SO_PEERCRED).
+        group: share the pool with the users of this group (a gid): the
+            socket 0660 and its directory 0750 (when this user owns it),
+            the segments and arena 0660, all of that group; peers of other
+            uids are then accepted (the OS lets only the group connect and
+            map).  The admin token stays 0600.
         kv_events: publish the pool's KV-cache events as vLLM does (one
             batch per frame that changed the prefix cache;
             service/events.py).
@@ -168,18 +173,21 @@ class Coordinator:
                  resume_grace: float = DEFAULT_RESUME_GRACE,
                  kv_events: KVEventsConfig | None = None,
                  tenant_quotas: dict[str, int] | None = None,
-                 tenant_auth: TenantAuth | None = None) -> None:
+                 tenant_auth: TenantAuth | None = None,
+                 group: int | None = None) -> None:
         self.socket_path = Path(socket_path)
+        self.group = group
         self.tenant_auth = tenant_auth or TenantAuth()
         self.token = token or None
         self.admin_token = admin_token or None
         self._admin_file: Path | None = None   # the token file start() wrote
-        self.allow_other_uids = allow_other_uids
+        self.allow_other_uids = allow_other_uids or group is not None
         self.max_frame_bytes = max_frame_bytes
         self.max_batch_ops = max_batch_ops
         self.write_buffer_high = write_buffer_high
         self.resume_grace = resume_grace
-        self.pool = adopt_pool(config, name) if adopt else create_pool(config, name)
+        self.pool = (adopt_pool(config, name, group=group) if adopt
+                     else create_pool(config, name, group=group))
         self.mgr = self.pool.mgr
         self.publisher: EventPublisher | None = None
         if kv_events is not None and kv_events.publishes:
@@ -233,7 +241,10 @@ class Coordinator:
             os.umask(old_umask)
         self._bound = True
         self._served = True
-        os.chmod(path, 0o600)
+        if self.group is None:
+            os.chmod(path, 0o600)
+        else:
+            share_socket(path, self.group)
         if self.executor.lifecycle.unresumed:
             self._grace = asyncio.get_running_loop().call_later(self.resume_grace,
                                                                 self.expire_unresumed)
@@ -421,6 +432,22 @@ def _socket_answers(path: Path) -> bool:
         probe.close()
 
 
+def share_socket(path: Path, gid: int) -> None:
+    """`--group`: the socket 0660 and its directory 0750, of group `gid`
+    (the directory only when this user owns it: another's is left as its
+    owner made it).  Raises InvalidArgument when the OS refuses."""
+    try:
+        d = path.parent
+        if d.stat().st_uid == os.getuid():
+            os.chown(d, -1, gid)
+            os.chmod(d, 0o750)
+        os.chown(path, -1, gid)
+        os.chmod(path, 0o660)
+    except OSError as e:
+        raise InvalidArgument(f"cannot give {e.filename or path} to group {gid}: "
+                              f"{e.strerror}") from None
+
+
 SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)   # Linux >= 4.13
 
 
@@ -473,7 +500,7 @@ async def serve(config: PoolConfig, *, name: str, socket_path: str | Path,
                 resume_grace: float = DEFAULT_RESUME_GRACE,
                 kv_events: KVEventsConfig | None = None,
                 tenant_quotas: dict[str, int] | None = None,
-                tenant_auth: TenantAuth | None = None,
+                tenant_auth: TenantAuth | None = None, group: int | None = None,
                 ready: Callable[[Coordinator], None] | None = None) -> None:
     """Run a coordinator until SIGINT/SIGTERM, then shut down cleanly.
 
@@ -517,7 +544,7 @@ async def serve(config: PoolConfig, *, name: str, socket_path: str | Path,
                             admin_token=admin_token, allow_other_uids=allow_other_uids,
                             adopt=info is not None, resume_grace=resume_grace,
                             kv_events=kv_events, tenant_quotas=tenant_quotas,
-                            tenant_auth=tenant_auth)
+                            tenant_auth=tenant_auth, group=group)
     except BaseException:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)

@@ -34,6 +34,7 @@ from kvshm.ops import protocol as p
 from kvshm.ops.errors import (
     ConnectionClosed,
     ConnectionLost,
+    Forbidden,
     ProtocolError,
     RequestTimeout,
 )
@@ -112,6 +113,9 @@ def open_wire_sync(path, hello: p.Hello, timeout: float) -> tuple[_Wire, p.Welco
             sock.connect(str(path))
         except (FileNotFoundError, ConnectionRefusedError) as e:
             raise ConnectionLost(f"no coordinator listening at {path}: {e.strerror}") from None
+        except PermissionError as e:   # the socket's (or its directory's) mode
+            raise Forbidden(f"connecting to {path}: {e.strerror} (the OS lets in only the "
+                            "coordinator's user, or the members of its --group)") from None
         except socket.timeout:
             raise RequestTimeout(f"connecting to {path} took over {timeout}s") from None
         sock.settimeout(None)
