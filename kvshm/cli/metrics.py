@@ -137,6 +137,10 @@ def families(pool: str, st: dict, m: dict):
         (C, "kvshm_handshakes_refused", "Connections refused at the handshake",
          m["handshakes_refused"]),
         (C, "kvshm_frames", "Frames (one op or one batch) executed", m["frames"]),
+        (C, "kvshm_corrupt_blocks_reported", "Blocks engines found holding wrong K/V "
+         "(report_corrupt)", m["corrupt_reported"]),
+        (C, "kvshm_corrupt_blocks_evicted", "Blocks uncached for them: the reported ones "
+         "and every cached block computed from them", m["corrupt_evicted"]),
         (C, "kvshm_prefix_cache_lookups", "Prefix-cache lookups (requests)", st["queries"]),
         (C, "kvshm_prefix_cache_lookup_hits", "Lookups that hit at least one block",
          st["hits"]),

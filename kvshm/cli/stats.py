@@ -37,6 +37,10 @@ def main(args: argparse.Namespace) -> int:
     print(f"  coordinator pid {st['coordinator_pid']} {state}, generation {st['generation']}")
     print(f"  preemptions {n['preemptions']}; KV events: {n['events_published']} batches "
           f"published, {n['events_dropped']} dropped")
+    if st["corrupt_blocks_reported"]:
+        print(f"  CORRUPT blocks: {n['corrupt_blocks_reported']} reported by engines, "
+              f"{n['corrupt_blocks_evicted']} uncached with the blocks computed from them "
+              "(look at the host: something wrote into the KV arena)")
     for tenant, t in sorted(st["tenants"].items()):
         c = {k: fmt.count(v) for k, v in t.items()}
         quota = "unlimited" if t["quota"] < 0 else f"quota {c['quota']}"

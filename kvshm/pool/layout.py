@@ -20,6 +20,9 @@ Layout (every array 64-byte aligned, native byte order):
     writer            int32[num_blocks]   the request slot whose request cached
                                           a pending block (read only with
                                           FLAG_PENDING)
+    parent            int32[num_blocks]   the block before a cached block in the
+                                          chain of the request that cached it
+                                          (0: none; for healing descendants)
     hashes            uint8[num_blocks * 32] cached block hash (zero padded)
     slot_meta         int32[max_num_seqs * 4]  rid length, owner, in use, -
     slot_rid          uint8[max_num_seqs * 64] request id (utf-8)
@@ -57,7 +60,7 @@ MAGIC = b"KVSHMPL\0"
 # (magic, layout version, header size, config fingerprint, num_blocks,
 # creator pid at the same offsets), so `segment_info` reads both kinds.
 ARENA_MAGIC = b"KVSHMKV\0"
-LAYOUT_VERSION = 5
+LAYOUT_VERSION = 6
 # The pool header's fixed fields: name -> (offset, struct format).  The KV
 # arena writes the leading ones (up to coordinator_pid) at the same offsets.
 # The words the allocator keeps (the mutation counter, the counters, the
@@ -113,6 +116,7 @@ class Layout:
             ("hash_group", 2 * n),
             ("flags", n),
             ("writer", 4 * n),
+            ("parent", 4 * n),
             ("hashes", HASH_SLOT_BYTES * n),
             ("slot_meta", 4 * SLOT_META_FIELDS * slots),
             ("slot_rid", RID_BYTES * slots),
@@ -131,7 +135,7 @@ class Layout:
         self.size = off
         self.block_bytes = sum(self.offsets[k][1] for k in (
             "ref_cnt", "next_delta", "prev_delta", "free_stamp", "cache_stamp",
-            "hash_group", "flags", "writer", "hashes"))
+            "hash_group", "flags", "writer", "parent", "hashes"))
         self.recovery_bytes = sum(self.offsets[k][1] for k in ("undo", "sessions", "replies"))
         self.metrics_bytes = self.offsets["metrics"][1]
         self.table_bytes = (self.size - self.header_size - self.block_bytes
@@ -139,7 +143,7 @@ class Layout:
 
 
 FORMATS = {"ref_cnt": "i", "next_delta": "i", "prev_delta": "i", "free_stamp": "q",
-            "cache_stamp": "q", "hash_group": "H", "flags": "B", "writer": "i",
+            "cache_stamp": "q", "hash_group": "H", "flags": "B", "writer": "i", "parent": "i",
             "hashes": "B",
             "slot_meta": "i", "slot_rid": "B", "slot_counts": "i", "undo": "q",
             "sessions": "q", "replies": "B", "metrics": "q"}

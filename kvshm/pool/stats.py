@@ -73,6 +73,8 @@ def read_stats(seg: PoolSegment, timeout: float = 1.0) -> dict:
         "generation": seg.get("generation"),   # = coordinator restarts (adoptions)
         "preemptions": metrics["preemptions"],
         "quota_refusals": metrics["quota_refusals"],
+        "corrupt_blocks_reported": metrics["corrupt_reported"],
+        "corrupt_blocks_evicted": metrics["corrupt_evicted"],
         "events_published": metrics["events_published"],
         "events_dropped": metrics["events_dropped"],
         "tenants": metrics["tenants"],

@@ -226,6 +226,10 @@ def _events(reply) -> list:
     return decode_events(reply.payload)
 
 
+def _uncached(reply) -> list[int]:
+    return reply.block_ids
+
+
 class Operations:
     """One method per operation of the protocol, the same in both clients
     (awaitable on `Client`, blocking on `SyncClient`).  Each raises the
@@ -327,6 +331,14 @@ class Operations:
     def evict_blocks(self, block_ids: Sequence[int], timeout: float | None = None) -> int:
         """Uncache these blocks (admin sessions only); the free-block count."""
         return self._op(p.EvictBlocks(list(block_ids)), timeout, _num_free_blocks)
+
+    def report_corrupt(self, req: str, block_ids: Sequence[int],
+                       timeout: float | None = None) -> list[int]:
+        """Blocks of request `req` (ones it holds and read) whose K/V are
+        wrong: they leave the prefix cache with every block computed from
+        them, so nobody hits them again.  Returns the ids uncached (free the
+        request and admit it again to recompute them)."""
+        return self._op(p.ReportCorrupt(req, list(block_ids)), timeout, _uncached)
 
     def stats(self, free_head: int = 0, timeout: float | None = None) -> p.Stats:
         return self._op(p.GetStats(free_head), timeout, _itself)
