@@ -525,6 +525,24 @@ def test_paged_attention_window_with_dropped_blocks(dtype, n, window):
         np.testing.assert_allclose(out, ref, rtol=1e-5, atol=2e-6)
 
 
+@pytest.mark.parametrize("n,window", [(100, None), (100, 40), (17, None)])
+def test_paged_attention_reads_no_slot_outside_its_range(n, window):
+    """Slots past the last token (not written yet) and before the window
+    hold anything, NaN and inf included, without changing the result."""
+    bs = 16
+    _, arena, table, k, v, q = build("float32", n, bs=bs)
+    refs = {t: paged_attention(q, arena, table, bs, n, window=window, tile_blocks=t)
+            for t in (1, 3, 16)}
+    last = table[(n - 1) // bs]
+    arena[last, :, :, (n - 1) % bs + 1:] = np.nan            # the rest of the last block
+    if window is not None:
+        lo = n - window
+        arena[table[lo // bs], :, :, :lo % bs] = np.inf        # before the window, same block
+    for tile_blocks, ref in refs.items():
+        out = paged_attention(q, arena, table, bs, n, window=window, tile_blocks=tile_blocks)
+        np.testing.assert_array_equal(out, ref)
+
+
 def test_paged_attention_null_block_inside_range_raises():
     bs = 16
     _, arena, table, k, v, q = build("float16", 100, bs=bs)

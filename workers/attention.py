@@ -269,10 +269,16 @@ def paged_attention(q: np.ndarray, kv_arena: np.ndarray, block_ids, block_size: 
         # [L, H, T, D] views (row stride H*D, still fine for BLAS)
         kt = out[0].reshape(L, nb * bs, H, D).transpose(0, 2, 1, 3)
         vt = out[1].reshape(L, nb * bs, H, D).transpose(0, 2, 1, 3)
-        scores = np.matmul(qs, kt.swapaxes(-1, -2))  # [L, H, 1, T]
-        # Mask slots outside [lo, num_tokens) in the tile's first/last blocks.
+        # Mask slots outside [lo, num_tokens) in the tile's first/last blocks:
+        # their K and V read as 0 (what an unwritten slot holds may be NaN or
+        # inf, and a weight of 0 times that is not 0), their scores as -inf.
         p0 = (first + t0) * bs
         head, tail = lo - p0, p0 + nb * bs - num_tokens
+        if head > 0:
+            kt[:, :, :head] = vt[:, :, :head] = 0.0
+        if tail > 0:
+            kt[:, :, nb * bs - tail :] = vt[:, :, nb * bs - tail :] = 0.0
+        scores = np.matmul(qs, kt.swapaxes(-1, -2))  # [L, H, 1, T]
         if head > 0:
             scores[..., :head] = -np.inf
         if tail > 0:

@@ -41,6 +41,7 @@ class ComputeBase:
         # Per group: the arena seen with the group's block size on the slot axis.
         self.views = [arena.kv[:, :, :, :bs] for _, bs, _ in self.groups]
         self.rng = random.Random(opts.sample_seed)
+        self.found: dict = {}   # request -> its blocks found wrong (take_found)
 
     def write(self, seq, start: int, k: np.ndarray, v: np.ndarray) -> None:
         """K/V [groups x L, n, H, D] of tokens start.. into the request's blocks."""
@@ -76,10 +77,21 @@ class ComputeBase:
             self.stats.first_error = message
 
     def bad_hits(self, seq, block_ids: list[int], how: str) -> None:
-        """Count hit blocks whose K/V are wrong, and describe the first case."""
-        self.stats.hit_mismatches += len(block_ids)
-        self.error(f"{seq.rid}: {len(block_ids)} prefix-cache hit block(s) {how} (block ids "
-                   f"{block_ids[:8]})")
+        """Blocks `seq` read whose K/V are wrong (hits, or its own blocks a
+        decode check caught): kept for the engine to heal (`take_found`),
+        counted, and the first case described."""
+        st = self.stats
+        self.found.setdefault(seq, []).extend(block_ids)
+        st.corrupt_findings += len(block_ids)
+        if not st.first_corruption:
+            st.first_corruption = (f"{seq.rid}: {len(block_ids)} block(s) {how} (block ids "
+                                   f"{block_ids[:8]})")
+
+    def take_found(self) -> dict:
+        """The requests whose blocks were found wrong since the last call ->
+        those blocks."""
+        found, self.found = self.found, {}
+        return found
 
     def fingerprint(self) -> str:
         """The model's fingerprint (every worker of a pool must agree)."""
@@ -141,10 +153,21 @@ class ExactCompute(ComputeBase):
                 ref = attention(q[g * L:(g + 1) * L], k_ref[g * L:(g + 1) * L].astype(np.float32),
                                 v_ref[g * L:(g + 1) * L].astype(np.float32), window=window)
                 if not np.allclose(out, ref, rtol=1e-4, atol=1e-5):
-                    self.stats.decode_mismatches += 1
-                    self.error(f"{seq.rid}: paged attention at position {pos} (group {g}) "
-                                f"differs from the contiguous recompute by "
-                                f"{float(np.abs(out - ref).max()):.3g}")
+                    # Its blocks hold wrong K/V (written into from outside): the
+                    # step is discarded and healed like a bad hit.  Otherwise
+                    # the paged attention itself is wrong.
+                    table = seq.tables[g]
+                    bad = mismatching_blocks(view, table, bs, k_ref[g * L:(g + 1) * L],
+                                             v_ref[g * L:(g + 1) * L])
+                    if bad:
+                        self.bad_hits(seq, [table[i] for i in bad], "of the request hold "
+                                      f"wrong K/V, found by the decode check at position "
+                                      f"{pos} (group {g})")
+                    else:
+                        self.stats.decode_mismatches += 1
+                        self.error(f"{seq.rid}: paged attention at position {pos} (group {g}) "
+                                    f"differs from the contiguous recompute by "
+                                    f"{float(np.abs(out - ref).max()):.3g}")
                 self.stats.check_s += time.thread_time() - t0
 
     def admitted(self, seq, num_hit: int) -> None:
@@ -167,7 +190,8 @@ class ExactCompute(ComputeBase):
                 if mismatching_blocks(view, [table[i]], bs, k[layers], v[layers]):
                     bad.append(i)
             if bad:
-                self.bad_hits(seq, [table[i] for i in bad], f"hold the wrong K/V (group {g})")
+                self.bad_hits(seq, [table[i] for i in bad], "hit in the prefix cache hold the "
+                              f"wrong K/V (group {g})")
         st.check_s += time.thread_time() - t0
 
     def _expected_kv(self, tokens: list[int], checks) -> dict:

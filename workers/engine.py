@@ -20,7 +20,10 @@ follow-up batch per preemption.  What only a real engine has is here:
   sends a follow-up after reading the answer; until then it waits in
   `pending`, and its time to first token counts from its arrival;
 - coordinator restarts: the client resumes by itself; requests a restart
-  lost are started over.
+  lost are started over;
+- corrupted K/V: blocks the model's checks find wrong are reported
+  (`ReportCorrupt`: the pool uncaches them and what was computed from
+  them) and the requests that read them start over (`_compute`, `_heal`).
 
 `kvshm demo` and the service benchmark drive the same planner without
 compute (kvshm/workload/scheduler.py).
@@ -31,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+from kvshm.core.errors import KvshmError
 from kvshm.core.specs import FullSpec, MLASpec, PoolConfig, SlidingWindowSpec
 from kvshm.ops import protocol as p
 from kvshm.ops.errors import ReplyLost, ResumeFailed
@@ -87,12 +91,13 @@ class EngineSeq(Seq):
     context (`ctx`, workers/compute.py) and the phase of its step in which
     it is computed."""
 
-    __slots__ = ("ctx", "phase")
+    __slots__ = ("ctx", "phase", "admitted_at")
 
     def __init__(self, item: Item) -> None:
         super().__init__(item, time.monotonic())
         self.ctx = None
         self.phase = 0           # computed after the requests of lower phases in its step
+        self.admitted_at = 0.0   # when the batch that admitted it (granting its hits) left
 
     def reset(self) -> None:
         super().reset()
@@ -128,6 +133,8 @@ class Engine:
         # its index; None: every turn arrives at once).
         self.turns = turns if turns is not None else LocalTurns(worker)
         self.pending: list[EngineSeq] = []   # turns whose previous turn is not done yet
+        self._healing = None   # (requests starting over -> their wrong blocks, their ops)
+        self._corrupt_seen: set[int] = set()   # blocks found wrong (and reported)
         # The scheduling policy's requests: waiting, running, finishing.
         self.planner = Planner([bs for _, bs in self.groups], config.num_blocks - 1, self.stats,
                                token_budget=opts.token_budget, max_running=opts.max_running,
@@ -216,7 +223,7 @@ class Engine:
         st.steps += 1
         planner = self.planner
         plan = planner.plan()
-        t0 = time.perf_counter()
+        t0, sent = time.perf_counter(), time.monotonic()
         results = await self._batch(plan.ops)
         self._over(plan.released)   # cached and freed (or lost with a restart: over too)
         if results is None:
@@ -225,10 +232,15 @@ class Engine:
         st.batch_us.append(int(rtt * 1e6))
         st.coord_s += rtt
         allocated, admitted, failed = planner.settle(plan, results, time.monotonic())
+        for seq, _ in admitted:
+            seq.admitted_at = sent
         self._phases(allocated, admitted)
         if failed:
             await self._preempt(failed)
-        return self._compute()
+        ran = self._compute()
+        if self._healing is not None:
+            await self._heal()
+        return ran
 
     def _phases(self, allocated: list[EngineSeq], admitted: list) -> None:
         """Order this step's compute: a request admitted with hits on blocks
@@ -326,20 +338,70 @@ class Engine:
     def _compute(self) -> bool:
         """Run the model on this step's scheduled tokens (K/V into the arena,
         decode attention) in phase order, then let the planner sample
-        (teacher-forced).  Returns whether anything ran."""
+        (teacher-forced).  Returns whether anything ran.
+
+        A request whose hits are found wrong (before it runs, or by the
+        check of the step it ran in) is not computed, or its step is
+        discarded, and so are those of this step's later requests that hit
+        blocks it was to write; they start over, and `_heal` reports the bad
+        blocks."""
         scheduled = [seq for seq in self.planner.running if seq.scheduled]
         compute = self.compute
+        bs = self.groups[0][1]
+        poisoned: set[int] = set()       # blocks that requests starting over were to write
+        over: dict = {}                  # request starting over -> its wrong hit blocks
+
+        def start_over(seq, bad: list[int]) -> None:
+            start = seq.num_computed
+            poisoned.update(seq.tables[0][start // bs:-(-(start + seq.scheduled) // bs)])
+            over[seq] = bad
+
         for phase in range(max((s.phase for s in scheduled), default=0) + 1):
-            batch = [s for s in scheduled if s.phase == phase]
-            for seq in batch:       # admitted this step: its hits are written now
-                if seq.num_hit > 0:
-                    compute.admitted(seq, seq.num_hit)
-                elif seq.num_hit == 0:
+            batch = []
+            for seq in (s for s in scheduled if s.phase == phase):
+                hit, seq.num_hit = seq.num_hit, -1
+                if hit > 0 and poisoned and not poisoned.isdisjoint(seq.tables[0][:hit // bs]):
+                    start_over(seq, [])
+                    continue
+                if hit > 0:     # admitted this step: its hits are written now
+                    compute.admitted(seq, hit)
+                elif hit == 0:
                     compute.started(seq)
-                seq.num_hit = -1
-            compute.run(batch)
+                batch.append(seq)
+            found = compute.take_found()
+            compute.run([s for s in batch if s not in found])
+            found.update(compute.take_found())   # (checks made within the step)
+            for seq, bad in found.items():
+                start_over(seq, bad)
+        if over:   # (out of the running requests before they are counted as computed)
+            self._healing = (over, self.planner.requeue(list(over)))
         self.planner.computed(time.monotonic())
         return bool(scheduled)
+
+    async def _heal(self) -> None:
+        """Report the blocks found wrong (while their requests still hold
+        them), then free those requests (`Planner.requeue` queued them
+        again): the pool has uncached the bad blocks and everything computed
+        from them, so their next admission computes them again."""
+        (over, restart), self._healing = self._healing, None
+        st = self.stats
+        reports = [(seq, bad) for seq, bad in over.items() if bad]
+        if reports:
+            try:
+                results = await self._batch([p.ReportCorrupt(seq.rid, bad)
+                                             for seq, bad in reports])
+            except KvshmError as e:
+                st.hit_mismatches += sum(len(bad) for _, bad in reports)
+                self._error(f"reporting corrupt blocks failed: {type(e).__name__}: {e}")
+                results = None
+            done = time.monotonic()
+            for (seq, bad), res in zip(reports, results or ()):
+                st.corrupt_blocks_evicted += len(res.block_ids)
+                st.corrupt_log.extend((b, seq.admitted_at, done) for b in bad)
+                self._corrupt_seen.update(bad)
+            st.corrupt_blocks_found = len(self._corrupt_seen)
+        st.corrupt_requeued += len(over)
+        await self._batch(restart)
 
     def _error(self, message: str) -> None:
         if not self.stats.first_error:

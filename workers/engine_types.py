@@ -50,7 +50,19 @@ class EngineStats(msgspec.Struct, kw_only=True):
     preemptions: int = 0
     steps: int = 0
     hit_blocks_checked: int = 0
-    hit_mismatches: int = 0           # hit blocks whose K/V differed (must stay 0)
+    hit_mismatches: int = 0           # hit blocks found wrong and not healed (must stay 0)
+    # Hit blocks found wrong before any output used them: reported to the
+    # pool (report_corrupt), which uncached them and the blocks computed
+    # from them; the requests that read them (or this step's blocks of
+    # those) started over.  Someone wrote into the arena: look at the host.
+    corrupt_findings: int = 0         # a block found wrong by one request
+    corrupt_blocks_found: int = 0     # ... distinct blocks (each counted once a worker)
+    corrupt_blocks_evicted: int = 0   # what the pool uncached for this worker's reports
+    corrupt_requeued: int = 0         # requests started over because of them
+    # (block, when the batch that admitted its request was sent, when its
+    # report came back; time.monotonic(), one clock for every process of the host)
+    corrupt_log: list[tuple[int, float, float]] = []
+    first_corruption: str = ""
     computed_blocks_checked: int = 0  # blocks this worker computed, checked (transformer)
     computed_mismatches: int = 0      # ... whose K/V differed from a recompute (must stay 0)
     decode_checks: int = 0
@@ -76,6 +88,16 @@ class EngineStats(msgspec.Struct, kw_only=True):
     ops: int = 0                      # operations sent to the coordinator (every batch's)
 
     @property
+    def corrupt_refound(self) -> int:
+        """Blocks found wrong in a request admitted after a report of them had
+        come back: hits on a block the pool had uncached (0, unless the arena
+        was written into again since)."""
+        done: dict[int, float] = {}
+        for b, _, back in self.corrupt_log:
+            done[b] = min(back, done.get(b, back))
+        return sum(1 for b, sent, _ in self.corrupt_log if sent > done[b])
+
+    @property
     def integrity_failures(self) -> int:
         return self.hit_mismatches + self.computed_mismatches + self.decode_mismatches
 
@@ -94,5 +116,5 @@ class EngineStats(msgspec.Struct, kw_only=True):
     def without_samples(self) -> "EngineStats":
         """A copy without the per-step samples (for progress reports)."""
         return msgspec.structs.replace(self, batch_us=[], stalls_ms=[], ttft_ms=[],
-                                        queue_ms=[])
+                                        queue_ms=[], corrupt_log=[])
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
 import signal
 import sys
 import time
@@ -24,6 +25,8 @@ import msgspec
 from kvshm.core.hashing import DEFAULT_HASH_ALGORITHM, DEFAULT_HASH_SEED
 from kvshm.core.metrics import percentile
 from kvshm.core.specs import PoolConfig
+from kvshm.pool.arena import PAGE, ArenaLayout, arena_name
+from kvshm.pool.segment import SHM_DIR
 from kvshm.service.process import die_with_parent
 from kvshm.workers.channel import Done, Failed, Progress, Ready, WorkerSpec, read_report
 from kvshm.workers.engine_types import EngineOptions, EngineStats
@@ -73,6 +76,7 @@ class RunResult(msgspec.Struct, kw_only=True):
     restarts: list[dict] = []     # the coordinators' restarts
     # Every TIMELINE_PERIOD s: (seconds, prompt tokens, hit tokens, tokens served)
     timeline: list[tuple[float, int, int, int]] = []
+    corrupted_pages: int = 0      # arena pages --corrupt-pages overwrote
 
     @property
     def serving_seconds(self) -> float:
@@ -121,6 +125,11 @@ class RunResult(msgspec.Struct, kw_only=True):
             "computed_blocks_checked": t.computed_blocks_checked,
             "computed_mismatches": t.computed_mismatches,
             "decode_checks": t.decode_checks, "decode_mismatches": t.decode_mismatches,
+            "corrupted_pages": self.corrupted_pages,
+            "corrupt_blocks_found": t.corrupt_blocks_found, "corrupt_findings": t.corrupt_findings,
+            "corrupt_blocks_evicted": t.corrupt_blocks_evicted,
+            "corrupt_requeued": t.corrupt_requeued, "corrupt_refound": t.corrupt_refound,
+            "first_corruption": t.first_corruption,
             "step_batch_us_p50": percentile(lat, 50), "step_batch_us_p99": percentile(lat, 99),
             "ttft_ms_p50": percentile(sorted(t.ttft_ms), 50),
             "ttft_ms_p99": percentile(sorted(t.ttft_ms), 99),
@@ -152,6 +161,8 @@ class LaunchOptions:
     kill_worker: int | None = None
     kill_after: float = 5.0
     kill_coordinator_every: float | None = None   # SIGKILL the coordinator every S s
+    corrupt_pages: int = 0                # overwrite this many arena pages, once, at
+    corrupt_after: float = 5.0            # ... this many seconds into the run
     reconnect_timeout: float = 60.0       # workers wait this long for a restarted one
     start_together: bool = False          # workers wait until all are Ready, then start
     live: bool = True                     # progress lines while running
@@ -174,6 +185,7 @@ class Launch:
         self.interrupted = asyncio.Event()
         self.config = opts.config
         self.pool_names: list[str] = []      # the joined pool's segment (--connect)
+        self.corrupted_pages = 0             # arena pages --corrupt-pages overwrote
         self.restarts: list[dict] = []       # coordinator restarts by this supervisor
         self._restarting = 0                 # restarts under way (not listening yet)
         self._killed: set[int] = set()       # pids SIGKILLed and not yet seen dead
@@ -404,6 +416,8 @@ class Launch:
                        asyncio.ensure_future(self._stop_on_interrupt())]
             if self.opts.kill_worker is not None:
                 extras.append(asyncio.ensure_future(self._kill_later()))
+            if self.opts.corrupt_pages:
+                extras.append(asyncio.ensure_future(self._corrupt_later()))
             killer = None
             if self.coordinators:
                 extras.append(asyncio.ensure_future(self.supervise()))
@@ -435,7 +449,8 @@ class Launch:
         self._sample(time.monotonic() - t0)
         return RunResult(mode=self.mode, config=self.config, workers=self.results,
                          seconds=seconds, pools=pools, interrupted=self.interrupted.is_set(),
-                         restarts=self.restarts, timeline=self.timeline)
+                         restarts=self.restarts, timeline=self.timeline,
+                         corrupted_pages=self.corrupted_pages)
 
     async def _coordinators_up(self, timeout: float = 30.0) -> None:
         """Wait (bounded) for the supervisor to bring a killed coordinator back
@@ -477,6 +492,24 @@ class Launch:
         proc = self.procs[self.opts.kill_worker]
         if proc.returncode is None:
             proc.kill()
+
+    async def _corrupt_later(self) -> None:
+        """--corrupt-pages: random bytes over random pages of the KV data of
+        the run's arenas, from this process (as a stray writer would), once."""
+        await asyncio.sleep(self.opts.corrupt_after)
+        names = [c.name for c in self.coordinators] or self.pool_names
+        rng = random.Random(self.opts.engine.seed)
+        lay = ArenaLayout(self.config)
+        pages = range(-(-lay.data_offset // PAGE), lay.size // PAGE)
+        try:
+            for _ in range(self.opts.corrupt_pages):
+                with open(f"{SHM_DIR}/{arena_name(rng.choice(names))}", "r+b") as f:
+                    f.seek(rng.choice(pages) * PAGE)
+                    f.write(rng.randbytes(PAGE))
+                self.corrupted_pages += 1
+        except OSError as e:   # (an arena gone with its coordinator: say so, go on)
+            self.out.write(f"kvshm run: --corrupt-pages stopped after "
+                           f"{self.corrupted_pages} page(s): {e}\n")
 
     async def _record_timeline(self, t0: float) -> None:
         while True:

@@ -454,7 +454,8 @@ class TransformerCompute(ComputeBase):
             table = seq.tables[0]
             bad = mismatching_blocks_within(self.view, table[lo:hi], self.block_size, k, v)
             if bad:
-                self.bad_hits(seq, [table[lo + j] for j in bad], f"differ from a recompute "
+                self.bad_hits(seq, [table[lo + j] for j in bad], "hit in the prefix cache "
+                              f"differ from a recompute "
                               f"by more than {TOLERANCE:g} of their scale")
         for i, (_, _, ref) in zip(decode_checks, checked[len(hit_checks):]):
             self._check_decode(decode[i], hidden[i], ref[-1])

@@ -302,11 +302,8 @@ class Planner:
         pending = list(failed)
         while pending:
             victim = self.running.pop()
-            ops = [p.Free(victim.rid, preempted=True), p.Advance(victim.rid, 0, victim.append)]
-            victim.append = []
-            victim.reset()
+            ops = self._start_over(victim)
             self.stats.preemptions += 1
-            self.waiting.appendleft(victim)
             retry = [s for s in pending if s is not victim]
             ops += [p.AllocateSlots(s.rid, s.scheduled) for s in retry]
             results = yield ops
@@ -319,6 +316,24 @@ class Planner:
                     pending.append(seq)
                 else:
                     self._extend(seq, res.new_block_ids)
+
+    def _start_over(self, seq: Seq) -> list:
+        """The ops that free a request as preempted (its sampled tokens
+        reported), which is queued first to be admitted again."""
+        ops = [p.Free(seq.rid, preempted=True), p.Advance(seq.rid, 0, seq.append)]
+        seq.append = []
+        seq.reset()
+        self.waiting.appendleft(seq)
+        return ops
+
+    def requeue(self, seqs: list[Seq]) -> list:
+        """Start these running requests over, their step discarded (they
+        read K/V found wrong): the ops that do it (see `_start_over`)."""
+        ops = []
+        for seq in reversed(seqs):   # (the first ends up first in line)
+            self.running.remove(seq)
+            ops += self._start_over(seq)
+        return ops
 
     # -- after the model -----------------------------------------------------------------------
     def computed(self, now: float) -> list[Seq]:
