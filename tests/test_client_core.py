@@ -52,14 +52,16 @@ def test_replies_settle_the_oldest_call_and_reach_the_mirror():
     assert "a" in flight.mirror and len(flight) == 1
 
 
-def test_a_resume_keeps_the_last_applied_reply_loses_earlier_ones_and_resends_the_rest():
+def test_a_resume_delivers_the_kept_replies_loses_the_others_and_resends_the_rest():
     mirror = RequestMirror()
     flight = InFlight(mirror)
     a, b, c, d = _sent(flight, p.AddRequest("a", [1]), p.AddRequest("b", [2]),
                        p.AddRequest("c", [3]), p.GetStats())
+    assert flight.first_sent() == 1
     kept = encode_frame(p.Done())[p.LENGTH_BYTES:]    # a reply's body, as the Welcome keeps it
-    settled = flight.resumed(welcome(resumed=True, last_seq=3, last_reply=bytes(kept)),
-                             DECODER.decode)
+    # (the record kept only frame 3's reply: 1 and 2 were pushed out of it)
+    settled = flight.resumed(welcome(resumed=True, last_seq=3, replies_from=1,
+                                     replies=[b"", b"", bytes(kept)]), DECODER.decode)
     assert settled == [a, b, c]
     assert isinstance(a.error, ReplyLost) and isinstance(b.error, ReplyLost)
     assert c.error is None and c.reply == p.Done()

@@ -56,7 +56,7 @@ TARGETS = {
                      "drop", "set_owner"),
     "Journal": ("begin", "commit", "row", "ids", "slot_meta", "stats", "session"),
     "KVCacheManager": ("begin_frame", "commit_frame"),
-    "SessionTable": ("record_frame", "release"),
+    "SessionTable": ("record_frame", "_keep", "release"),
     "Session": ("_reply",),
 }
 

@@ -26,10 +26,10 @@ from kvshm.core.metrics import read_metrics
 from kvshm.core.specs import PoolConfig
 from kvshm.ops.errors import Forbidden, HandshakeError
 from kvshm.service.client import connect
-from kvshm.service.client_core import resume_hello
+from kvshm.service.client_core import InFlight, resume_hello
 from kvshm.service.handshake import make_hello
 from kvshm.service.process import CoordinatorProcess
-from kvshm.service.resume import Reconnect
+from kvshm.service.resume import Reconnect, RequestMirror
 from kvshm.service.server import peer_credentials
 from kvshm.service.sync_client import connect_sync
 from kvshm.service.tenant_auth import Peer, TenantAuth, parse_proof, read_token_file
@@ -139,7 +139,10 @@ def test_refusal_decides_each_claim():
 def test_the_hello_carries_the_token_and_a_resume_keeps_it():
     hello = make_hello("/x.sock", tenant="a", tenant_token=" tok \n")
     assert hello.tenant_token == "tok"
-    assert resume_hello(hello, "resume").tenant_token == "tok"
+    flight = InFlight(RequestMirror())
+    again = resume_hello(hello, "resume", flight)
+    assert again.tenant_token == "tok" and again.resume_token == "resume"
+    assert again.resume_from == 0            # no call in flight: no reply wanted
     assert make_hello("/x.sock").tenant_token == ""
 
 

@@ -233,6 +233,23 @@ class KVCacheManagerCore:
         hits.uncached = self.block_pool.uncached
         return hits, n
 
+    def find_hits_again(self, request: Request, block_ids: list[list[int]]) -> Hits | None:
+        """The lookup `get_computed_blocks` gives `request` now, if it finds
+        exactly `block_ids` (per group, as an earlier lookup returned them);
+        None otherwise.  Counts no lookup: it repeats one (after a
+        coordinator restart, for an allocation that is to use its hits)."""
+        if not self.enable_caching or request.skip_reading_prefix_cache:
+            return None
+        blocks, _ = self.groups.find_longest_cache_hit(request.block_hashes,
+                                                       request.num_tokens - 1)
+        if len(blocks) != len(block_ids) or any(
+                list(found) != list(want) for found, want in zip(blocks, block_ids)):
+            return None
+        hits = Hits(blocks)
+        hits.request_id = request.request_id
+        hits.uncached = self.block_pool.uncached
+        return hits
+
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
         """Every block the request holds, per group (nulls included)."""
         return self.groups.get_blocks(request_id)

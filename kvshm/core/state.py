@@ -62,11 +62,13 @@ ALLOCATED_WORD = HEADER_WORDS["blocks_allocated"]
 EVICTED_WORD = HEADER_WORDS["blocks_evicted"]
 
 # -- the coordinator's session records (kvshm/ops/sessions.py gives the words
-# their meaning); each has room for its last two frame replies ------------------------
+# their meaning); each keeps the replies of its last REPLIES_KEPT frames, as
+# far as they fit in its ring of REPLY_RING_BYTES -----------------------------------------
 SESSION_SLOTS = 256
-SESSION_WORDS = 16
+SESSION_WORDS = 48
 SESSION_LAST_SEQ = 1   # the word of a record the undo log restores
-REPLY_BYTES = 16384
+REPLIES_KEPT = 16
+REPLY_RING_BYTES = 32768
 
 # -- the undo log's entries (journal.py writes them, recovery.py reads them) -----------
 FRAME, ROW, PREFIX, META, STATS, SESSION = 0, 1, 2, 3, 4, 5

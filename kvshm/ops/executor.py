@@ -42,6 +42,7 @@ from kvshm.core.metrics import (
     op_base,
 )
 from kvshm.core.request import Request
+from kvshm.core.state import REPLIES_KEPT
 from kvshm.ops import protocol as p
 from kvshm.ops.errors import BatchTooLarge, Forbidden, InternalError, NotOwner
 from kvshm.ops.lifecycle import SessionLifecycle
@@ -108,6 +109,7 @@ class OpExecutor:
             p.NumCommonPrefixBlocks: self._common, p.ResetPrefixCache: self._reset,
             p.EvictBlocks: self._evict, p.GetStats: self._stats,
             p.TakeEvents: self._take_events, p.ReportCorrupt: self._corrupt,
+            p.RestoreHits: self._restore_hits,
         }
         self._op_base = {cls: op_base(cls.__struct_config__.tag) for cls in self._dispatch}
         self.lifecycle = SessionLifecycle(self)
@@ -148,12 +150,18 @@ class OpExecutor:
         owner.seq = seq
         return frame
 
-    def last_reply(self, owner: Owner) -> bytes:
-        """The reply body of the last frame applied for `owner` (b"" if not kept)."""
-        if owner.record is None or not owner.seq:
-            return b""
-        frame = self.sessions.reply(owner.record, owner.seq)
-        return b"" if frame is None else frame[4:]
+    def kept_replies(self, owner: Owner, first: int) -> tuple[int, list[bytes]]:
+        """The reply bodies of `owner`'s frames from `first` (at most the
+        last REPLIES_KEPT) to its last applied one: (the seq of the first
+        one given, the bodies; b"" for a reply no longer kept)."""
+        if owner.record is None or not 0 < first <= owner.seq:
+            return 0, []
+        first = max(first, owner.seq - REPLIES_KEPT + 1)
+        replies = []
+        for seq in range(first, owner.seq + 1):
+            frame = self.sessions.reply(owner.record, seq)
+            replies.append(b"" if frame is None else frame[4:])
+        return first, replies
 
     def execute(self, owner: Owner, msg):
         """The reply to one op or `Batch` run for `owner`; errors are `Error`
@@ -370,8 +378,8 @@ class OpExecutor:
             st = self._owned(owner, op.req)   # raises, saying why
         if op.use_computed_blocks and st.hits is None and op.num_new_computed_tokens:
             raise StaleHits(f"request {op.req!r} has no prefix-cache lookup to use (call "
-                            "get_computed_blocks first; lookups do not survive a "
-                            "coordinator restart)")
+                            "get_computed_blocks first; a lookup made before a coordinator "
+                            "restart is kept only if the pool finds the same blocks again)")
         if (op.num_new_tokens | op.num_new_computed_tokens | op.num_lookahead_tokens
                 | op.num_external_computed_tokens | op.num_encoder_tokens) > MAX_COUNT:
             for name in _ALLOC_COUNTS:
@@ -471,6 +479,11 @@ class OpExecutor:
                     owner.id, owner.tenant, len(set(op.block_ids)), unscoped(owner.scope, op.req),
                     sorted(set(op.block_ids))[:16], len(uncached))
         return p.Uncached(uncached)
+
+    def _restore_hits(self, owner: Owner, op: p.RestoreHits):
+        st = self._owned(owner, op.req)
+        st.hits = self.mgr.find_hits_again(st.request, op.block_ids)
+        return p.HitsRestored(st.hits is not None)
 
     def _reset(self, owner: Owner, op: p.ResetPrefixCache):
         _need_admin(owner, "reset_prefix_cache")

@@ -17,7 +17,7 @@ import msgspec
 
 from kvshm.core.extra_keys import MultiModalFeature, check_mm_features, embeds_rows
 
-PROTOCOL_VERSION = 8
+PROTOCOL_VERSION = 9
 MAX_BATCH_OPS = 4096
 LENGTH_BYTES = 4                # a frame's length prefix
 
@@ -47,6 +47,7 @@ class Hello(_Op, tag="hello"):
     admin_token: str = ""   # the coordinator's admin token: reset, evict, free queue
     resume_token: str = ""  # take back a session after a coordinator restart
     tenant_token: str = ""  # proves `tenant` where it is declared token:FILE
+    resume_from: int = 0    # ... and the replies of frames from this seq on, if applied
 
 
 class Welcome(_Op, tag="welcome"):
@@ -59,13 +60,16 @@ class Welcome(_Op, tag="welcome"):
     admin: bool = False       # the session may reset, evict and read the free queue
     # Resumable sessions.  Frames after the handshake are numbered 1, 2, ...
     # per session; `last_seq` is the last one applied (for a resumed session:
-    # frames up to it took effect, later ones did not), `last_reply` its
-    # reply body when still kept, `requests` the ids taken back (restore
-    # each with AddRequest, then Advance, before other ops on it).
+    # frames up to it took effect, later ones did not), `replies` the reply
+    # bodies of frames `replies_from` .. last_seq (from Hello.resume_from, as
+    # far as they are kept; b"" for one no longer kept), `requests` the ids
+    # taken back (restore each with AddRequest, then Advance, before other
+    # ops on it).
     resume_token: str = ""    # secret; "" when the pool has no record left for it
     resumed: bool = False
     last_seq: int = 0
-    last_reply: bytes = b""
+    replies_from: int = 0
+    replies: list[bytes] = []
     requests: list[str] = []
     resume_error: str = ""    # why a presented resume token was not honoured
     generation: int = 0       # the coordinator's incarnation (+1 per adoption)
@@ -214,9 +218,22 @@ class ReportCorrupt(_Op, tag="corrupt"):
     block_ids: list[int]
 
 
+class RestoreHits(_Op, tag="restore_hits"):
+    """After a coordinator restart, the prefix-cache lookup request `req`
+    got before it (`GetComputedBlocks`' block ids), which a later
+    `AllocateSlots(use_computed_blocks=True)` is to use: the coordinator
+    looks the request up again (counting no lookup) and keeps the result
+    when it finds exactly these blocks (`HitsRestored(True)`).  Otherwise
+    the allocation that uses them is refused with STALE_HITS, as the hits no
+    longer hold.  The clients send it with the request's restore."""
+
+    req: str
+    block_ids: list[list[int]]
+
+
 OPS = (AddRequest, Advance, GetComputedBlocks, AllocateSlots, Admit, CacheBlocks, Free,
        RemoveSkippedBlocks, GetBlockIds, NumCommonPrefixBlocks, ResetPrefixCache,
-       EvictBlocks, GetStats, TakeEvents, ReportCorrupt)
+       EvictBlocks, GetStats, TakeEvents, ReportCorrupt, RestoreHits)
 Op = Union[OPS]
 
 
@@ -320,8 +337,14 @@ class Uncached(_Op, tag="uncached"):
     block_ids: list[int]
 
 
+class HitsRestored(_Op, tag="restore_hits"):
+    """RestoreHits' result: whether the request's lookup was found again."""
+
+    restored: bool
+
+
 REPLIES = (Done, ComputedBlocks, Allocated, Admitted, FreeBlocks, BlockIds, CommonPrefix,
-           ResetResult, Stats, Events, Error, Uncached)
+           ResetResult, Stats, Events, Error, Uncached, HitsRestored)
 Reply = Union[REPLIES]
 
 

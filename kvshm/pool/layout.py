@@ -34,8 +34,8 @@ Layout (every array 64-byte aligned, native byte order):
                                           (kvshm/core/journal.py)
     sessions          int64[SESSION_SLOTS * SESSION_WORDS]  resumable
                                           coordinator sessions (service layer)
-    replies           uint8[SESSION_SLOTS * 2 * REPLY_BYTES]  each session's
-                                          last two frame replies
+    replies           uint8[SESSION_SLOTS * REPLY_RING_BYTES]  each session's
+                                          ring of its last frames' replies
     metrics           int64[METRICS_WORDS]  operators' counters
                                           (kvshm/core/metrics.py)
 
@@ -52,7 +52,7 @@ import struct
 from kvshm.core.hashing import HASH_SLOT_BYTES
 from kvshm.core.metrics import METRICS_WORDS
 from kvshm.core.specs import PoolConfig
-from kvshm.core.state import (HEADER_WORDS, REPLY_BYTES, RID_BYTES, SESSION_SLOTS,
+from kvshm.core.state import (HEADER_WORDS, REPLY_RING_BYTES, RID_BYTES, SESSION_SLOTS,
     SESSION_WORDS, SLOT_META_FIELDS, undo_words)
 
 MAGIC = b"KVSHMPL\0"
@@ -60,7 +60,7 @@ MAGIC = b"KVSHMPL\0"
 # (magic, layout version, header size, config fingerprint, num_blocks,
 # creator pid at the same offsets), so `segment_info` reads both kinds.
 ARENA_MAGIC = b"KVSHMKV\0"
-LAYOUT_VERSION = 6
+LAYOUT_VERSION = 7
 # The pool header's fixed fields: name -> (offset, struct format).  The KV
 # arena writes the leading ones (up to coordinator_pid) at the same offsets.
 # The words the allocator keeps (the mutation counter, the counters, the
@@ -125,7 +125,7 @@ class Layout:
         arrays += [(f"table{g}", 4 * slots * w) for g, w in enumerate(self.widths)]
         arrays += [("undo", 8 * undo_words(config)),
                    ("sessions", 8 * SESSION_SLOTS * SESSION_WORDS),
-                   ("replies", SESSION_SLOTS * 2 * REPLY_BYTES),
+                   ("replies", SESSION_SLOTS * REPLY_RING_BYTES),
                    ("metrics", 8 * METRICS_WORDS)]
         self.offsets: dict[str, tuple[int, int]] = {}
         off = self.header_size

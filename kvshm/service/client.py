@@ -241,7 +241,7 @@ class Client(ClientSession):
 
     async def _reconnect(self, err: Exception) -> p.Welcome:
         policy = self.reconnect
-        hello = resume_hello(self._hello, self.resume_token)
+        hello = resume_hello(self._hello, self.resume_token, self._flight)
         backoff = Backoff(policy, err)
         while True:
             if self._closed:

@@ -15,10 +15,12 @@ How a restart is ridden through, the same in both clients:
    (bounded exponential, `Reconnect` in resume.py) and presents its resume
    token.
 2. The coordinator gave the session back: `InFlight.resumed` settles the
-   frames it had applied (numbered up to the Welcome's `last_seq`: the last
-   one gets its kept reply, earlier ones ReplyLost), the client restores its
-   requests (`RequestMirror.restore_frames`) and sends the frames not applied
-   again, in order.  No call is lost silently or applied twice.
+   frames it had applied (numbered up to the Welcome's `last_seq`; each gets
+   its reply, which the coordinator keeps for the session's last frames, as
+   far as they fit: ReplyLost only for one it no longer kept), the client
+   restores its requests (`RequestMirror.restore_frames`, with the lookups
+   they are still to use) and sends the frames not applied again, in order.
+   No call is lost silently or applied twice.
 3. The coordinator could not give the session back: `InFlight.fresh_session`
    fails every call in flight with ResumeFailed and forgets the requests;
    the client goes on as a fresh session, so later calls work (add the
@@ -91,6 +93,14 @@ class InFlight:
         call.seq = self.seq
         return call.frame
 
+    def first_sent(self) -> int:
+        """The seq of the oldest call sent and not answered (0: none), from
+        which a resume asks for the kept replies."""
+        for call in self.calls:
+            if call.seq:
+                return call.seq
+        return 0
+
     def to_resend(self) -> list[Call]:
         """The calls a resume found not applied, to go out again in order."""
         return list(self.calls)
@@ -115,13 +125,15 @@ class InFlight:
         `last_seq`), number on from there; the settled calls, to deliver.
         The rest stay in flight, to be sent again after the restore."""
         last = welcome.last_seq
+        first, kept = welcome.replies_from, welcome.replies
         settled = []
         calls = self.calls
         while calls and 0 < calls[0].seq <= last:
             call = calls.popleft()
             call.settled = True
-            if call.seq == last and welcome.last_reply:
-                call.reply = decode(welcome.last_reply)
+            body = kept[call.seq - first] if 0 <= call.seq - first < len(kept) else b""
+            if body:
+                call.reply = decode(body)
                 self.mirror.apply(call.msg, call.reply)
             else:
                 self.replies_lost += 1
@@ -165,9 +177,10 @@ class Backoff:
         return delay
 
 
-def resume_hello(hello: p.Hello, token: str) -> p.Hello:
-    """The Hello that takes a session back."""
-    return msgspec.structs.replace(hello, resume_token=token)
+def resume_hello(hello: p.Hello, token: str, flight: InFlight) -> p.Hello:
+    """The Hello that takes a session back, with the replies of its calls in
+    flight."""
+    return msgspec.structs.replace(hello, resume_token=token, resume_from=flight.first_sent())
 
 
 def shutdown_error(msg: p.Shutdown) -> ConnectionLost:

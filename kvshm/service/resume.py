@@ -2,10 +2,12 @@
 
 `Reconnect` is the backoff policy.  `RequestMirror` is the client's copy of
 the request state the coordinator keeps only in memory (each live request's
-tokens or hashes, its extra keys and computed count), updated from every
-reply, so that after a restart the client can restore its requests
-(`restore_frames`): the coordinator takes back their block tables from the
-segment, and AddRequest + Advance give them their tokens again.
+tokens or hashes, its extra keys, computed count and the prefix-cache
+lookup it is still to use), updated from every reply, so that after a
+restart the client can restore its requests (`restore_frames`): the
+coordinator takes back their block tables from the segment, AddRequest +
+Advance give them their tokens again, and RestoreHits their lookup (kept
+when the pool finds the same blocks again).
 
 How the calls in flight at a restart are settled, and what a session that
 could not be given back does, is client_core.py's, the same for both
@@ -37,9 +39,10 @@ class Reconnect:
 
 class MirroredRequest:
     """One live request as the coordinator holds it: its tokens (or block
-    hashes and token count), the AddRequest that made it, its computed count."""
+    hashes and token count), the AddRequest that made it, its computed count
+    and the hits of its last lookup while an allocation may still use them."""
 
-    __slots__ = ("tokens", "hashes", "num_tokens", "num_prompt", "op", "computed")
+    __slots__ = ("tokens", "hashes", "num_tokens", "num_prompt", "op", "computed", "hits")
 
     def __init__(self, op: p.AddRequest) -> None:
         self.op = op      # its lora name, salt, items and embeds, as sent
@@ -53,6 +56,7 @@ class MirroredRequest:
         # appended after it in separate passes, as they were (extra_keys.py).
         self.num_prompt = op.num_prompt_tokens or self.num_tokens
         self.computed = 0
+        self.hits: list[list[int]] | None = None
 
 
 class RequestMirror:
@@ -83,11 +87,11 @@ class RequestMirror:
             for op, r in zip(msg.ops, reply.results):
                 if r.__class__ is p.Error:
                     break
-                one(op)
+                one(op, r)
         else:
-            self._one(msg)
+            self._one(msg, reply)
 
-    def _one(self, op) -> None:
+    def _one(self, op, reply) -> None:
         cls = op.__class__
         if cls is p.Advance:
             r = self._reqs.get(op.req)
@@ -102,8 +106,22 @@ class RequestMirror:
             r.computed = op.num_computed_tokens
         elif cls is p.AddRequest:
             self._reqs[op.req] = MirroredRequest(op)
-        elif cls is p.Free and not op.preempted:
-            self._reqs.pop(op.req, None)
+        elif cls is p.GetComputedBlocks:
+            r = self._reqs.get(op.req)
+            if r is not None:
+                r.hits = reply.block_ids if any(reply.block_ids) else None
+        elif cls is p.AllocateSlots:
+            if op.use_computed_blocks and reply.new_block_ids is not None:
+                r = self._reqs.get(op.req)
+                if r is not None:
+                    r.hits = None      # used
+        elif cls is p.Free:
+            if op.preempted:
+                r = self._reqs.get(op.req)
+                if r is not None:
+                    r.hits = None
+            else:
+                self._reqs.pop(op.req, None)
 
     def forget(self, msg) -> None:
         """The effect of `msg` is unknown (its reply was lost): drop the
@@ -115,9 +133,10 @@ class RequestMirror:
 
     def restore_frames(self, held: list[str]) -> list[p.Batch]:
         """Frames that give the coordinator every request back (AddRequest
-        with all its tokens, Advance to its computed count) and free the
-        taken-back ones this client does not know any more."""
-        ops = []
+        with all its tokens, Advance to its computed count, RestoreHits for
+        a lookup it is still to use) and free the taken-back ones this
+        client does not know any more."""
+        frames, ops, n = [], [], 0
         for rid, r in self._reqs.items():
             o = r.op
             ops.append(p.AddRequest(
@@ -125,6 +144,17 @@ class RequestMirror:
                 o.lora_name, o.cache_salt, o.skip_reading_prefix_cache, o.mm_features,
                 o.prompt_embeds, r.num_prompt if r.tokens is not None else 0))
             ops.append(p.Advance(rid, r.computed))
-        ops += [p.Free(rid) for rid in held if rid not in self._reqs]
-        n = 2 * RESTORE_REQUESTS_PER_FRAME
-        return [p.Batch(ops[i:i + n]) for i in range(0, len(ops), n)]
+            if r.hits is not None:
+                ops.append(p.RestoreHits(rid, r.hits))
+            n += 1
+            if n == RESTORE_REQUESTS_PER_FRAME:
+                frames.append(p.Batch(ops))
+                ops, n = [], 0
+        gone = [p.Free(rid) for rid in held if rid not in self._reqs]
+        for i in range(0, len(gone), 2 * RESTORE_REQUESTS_PER_FRAME):
+            ops += gone[i:i + 2 * RESTORE_REQUESTS_PER_FRAME]
+            frames.append(p.Batch(ops))
+            ops = []
+        if ops:
+            frames.append(p.Batch(ops))
+        return frames

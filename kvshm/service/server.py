@@ -29,6 +29,7 @@ from kvshm.core.faults import core_classes, install_from_env
 from kvshm.core.hashing import hash_fingerprint
 from kvshm.core.metrics import TENANT_SLOTS
 from kvshm.core.specs import PoolConfig
+from kvshm.core.state import REPLIES_KEPT, REPLY_RING_BYTES
 from kvshm.ops import protocol as p
 from kvshm.ops.errors import (
     Forbidden,
@@ -86,7 +87,7 @@ class Session(asyncio.Protocol):
             if uid != os.getuid() and not self.coord.allow_other_uids:
                 why = (f"peer uid {uid} is not this coordinator's uid {os.getuid()} "
                        "(serve with --allow-other-uids)")
-                self._reply(encode_frame(p.Error(Forbidden.code, why)))
+                self._reply([encode_frame(p.Error(Forbidden.code, why))])
                 self.coord.refused(self, why)
                 transport.close()
                 return
@@ -113,24 +114,47 @@ class Session(asyncio.Protocol):
         self._answer()
 
     def _answer(self) -> None:
+        """Answer the frames read so far, their replies written together.
+        NOTE: frames that arrived together (a pipelining client) are applied
+        before their replies are written, so a crash in between loses
+        several replies at once.  The session record keeps the replies of
+        the last REPLIES_KEPT frames as far as they fit in half its ring
+        (ops/sessions.py), for the client's resume: replies are written at
+        least that often, and no more than that waits in the transport's
+        buffer (`write_buffer_high`) before this stops answering."""
         bodies = self._bodies
         handle = self.coord.handle
+        replies, size = [], 0
         while bodies and not self._paused:
             t = self.transport
             if t is None or t.is_closing():
                 bodies.clear()
-                return
-            self._reply(handle(self, bodies.popleft()))
-        if not bodies and self.reader.broken is not None and not self.transport.is_closing():
+                break
+            frame = handle(self, bodies.popleft())
+            if frame is not None:
+                replies.append(frame)
+                size += len(frame)
+                if len(replies) == REPLIES_KEPT or size >= REPLY_RING_BYTES // 2:
+                    self._reply(replies)
+                    replies, size = [], 0
+        t = self.transport
+        if t is None or t.is_closing():
+            return
+        if replies:
+            self._reply(replies)
+        if not bodies and self.reader.broken is not None:
             self._fatal(self.reader.broken)
 
     # -- helpers -----------------------------------------------------------------------
-    def _reply(self, frame: bytes | bytearray | None) -> None:
-        if frame is not None:
-            self.transport.write(frame)
+    def _reply(self, frames: list) -> None:
+        """Write reply frames (one system call for several)."""
+        if len(frames) == 1:
+            self.transport.write(frames[0])
+        else:
+            self.transport.writelines(frames)
 
     def _fatal(self, err: KvshmError) -> None:
-        self._reply(encode_frame(p.Error(err.code, str(err), err.wire_fields())))
+        self._reply([encode_frame(p.Error(err.code, str(err), err.wire_fields()))])
         self.transport.close()
 
 
@@ -150,6 +174,11 @@ class Coordinator:
             of the coordinator's user can read it and tenants of other
             users cannot.
         allow_other_uids: accept peers of another uid (SO_PEERCRED).
+        write_buffer_high: replies waiting in a session's transport buffer
+            (its client is not reading them) past which the session's
+            frames wait too; the default keeps every reply not yet handed
+            to the kernel within what the session record keeps for a
+            resume after a crash (ops/sessions.py).
         group: share the pool with the users of this group (a gid): the
             socket 0660 and its directory 0750 (when this user owns it),
             the segments and arena 0660, all of that group; peers of other
@@ -169,7 +198,7 @@ class Coordinator:
                  allow_other_uids: bool = False,
                  max_frame_bytes: int = MAX_FRAME_BYTES,
                  max_batch_ops: int = p.MAX_BATCH_OPS,
-                 write_buffer_high: int = 4 * 2**20, adopt: bool = False,
+                 write_buffer_high: int = REPLY_RING_BYTES // 2, adopt: bool = False,
                  resume_grace: float = DEFAULT_RESUME_GRACE,
                  kv_events: KVEventsConfig | None = None,
                  tenant_quotas: dict[str, int] | None = None,
@@ -412,11 +441,11 @@ class Coordinator:
                      s.peer_pid, hello.node, tenant, ", admin" if admin else "",
                      f"; could not resume: {resume_error}" if resume_error else "")
         owner = s.owner
+        first, replies = ex.kept_replies(owner, hello.resume_from) if resumed else (0, [])
         return p.Welcome(p.PROTOCOL_VERSION, s.id, self._config_json, self.mgr.segment.name,
                          self.fingerprint, self.arena.name if self.arena is not None else "",
-                         admin, owner.resume_token, resumed, owner.seq,
-                         ex.last_reply(owner) if resumed else b"", rids, resume_error,
-                         self.generation)
+                         admin, owner.resume_token, resumed, owner.seq, first, replies, rids,
+                         resume_error, self.generation)
 
 
 def _socket_answers(path: Path) -> bool:

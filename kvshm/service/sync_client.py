@@ -14,7 +14,8 @@ call at a time; `batch()` runs several ops in one round trip.  It rides
 through a coordinator restart the same way (client_core.py): reconnect
 with backoff, take the session back with its resume token, restore the
 requests from its `RequestMirror`, settle the calls in flight (applied:
-the kept reply or ReplyLost; not applied: sent again); a session that
+its kept reply, or ReplyLost if it is no longer kept; not applied: sent
+again); a session that
 could not be given back fails them with ResumeFailed and goes on fresh.
 It has no background: it notices a restart in its next call.  Not
 thread-safe: one thread per client.
@@ -234,10 +235,10 @@ class SyncClient(ClientSession):
             self._give_up(err if isinstance(err, KvshmError) else ConnectionLost(str(err)))
             raise self._lost
         policy = self.reconnect
-        hello = resume_hello(self._hello, self.resume_token)
         backoff = Backoff(policy, err)
         flight = self._flight
         while True:
+            hello = resume_hello(self._hello, self.resume_token, flight)
             wire, welcome = self._reconnect(hello, backoff)
             if not welcome.resumed:
                 flight.fresh_session(welcome)
