@@ -29,11 +29,17 @@ or another client wrote; bytes written), with where the clients' arena
 pages are (numa_maps).  `--arena-policy bind|interleave|first-touch` places
 the arena's pages before the clients touch them (libnuma), one ramp per
 policy, on hosts with several NUMA nodes.  `--soak S` runs one step of S
-seconds instead and reports the coordinator's RSS and the latency drift.
+seconds instead and reports the coordinator's RSS and the latency drift,
+and RSS, pool counters and fairness window by window;
+`--kill-coordinator-every K` SIGKILLs the coordinator every K seconds of
+it, restarts it on its pool at once (the clients resume by themselves) and
+reports each restart's stall and what is left at the end
+(scripts/stress_soak.py).
 
 Writes OUT/numa_stress.json, OUT/numa_stress.md and, with matplotlib, PNG
 plots.  Exit status: 0, 1 when a client failed or the pool was not whole
-after a step, 2 for bad arguments, 130 after Ctrl-C (what finished is
+after a step (or, in a soak, a coordinator did not come back or something
+was left), 2 for bad arguments, 130 after Ctrl-C (what finished is
 written; nothing is left running nor in /dev/shm).  docs/numa_stress.md
 says how to read the figures.
 """
@@ -68,6 +74,8 @@ from stress_measure import (
     quantiles,
 )
 from stress_report import write_outputs
+from stress_soak import Killer, Watch, end_line, left_behind, segments_left, soak_lines
+from stress_soak import KILL_MARGIN_S, soak_record, window_period
 
 BASELINE_S = 0.5     # idle probe window before each step
 
@@ -83,6 +91,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--soak", type=float, metavar="S",
                     help="instead of the ramp: one step of S seconds at the largest K, "
                          "reporting RSS and latency drift")
+    ap.add_argument("--kill-coordinator-every", type=float, metavar="K",
+                    help="with --soak: SIGKILL the coordinator every K seconds and restart "
+                         "it on its pool at once, reporting each restart's stall")
     ap.add_argument("--out", default="bench-results/numa-stress", help="output directory")
     ap.add_argument("--nodes", type=int,
                     help="nodes to drive from (default: every real NUMA node, or 2 virtual "
@@ -154,6 +165,17 @@ def build(args: argparse.Namespace) -> Setup:
         if args.soak <= 0:
             raise ValueError(f"--soak must be positive (got {args.soak:g})")
         ramp = [max(ramp)]
+    kill = args.kill_coordinator_every
+    if kill is not None:
+        if args.soak is None:
+            raise ValueError("--kill-coordinator-every needs --soak (the kills happen "
+                             "during the soak step)")
+        if kill <= 0:
+            raise ValueError(f"--kill-coordinator-every must be positive (got {kill:g})")
+        if kill > args.soak - KILL_MARGIN_S:
+            raise ValueError(f"--kill-coordinator-every must be shorter than the soak, by "
+                             f"{KILL_MARGIN_S:g}s at least (its last second has no kill): "
+                             f"got {kill:g}s for a {args.soak:g}s soak")
     if args.nodes is not None and args.nodes < 1:
         raise ValueError(f"--nodes must be at least 1 (got {args.nodes})")
     if args.probe_rate <= 0 or args.probe_rate > 10000:
@@ -230,6 +252,8 @@ def header(setup: Setup) -> str:
         f"numa_stress: {len(setup.base.workers)} {'virtual ' if virtual else ''}nodes x "
         f"clients per node {' '.join(map(str, setup.ramp))}, "
         + (f"one soak step of {a.soak:g}s" if a.soak else f"{a.duration:g}s per step")
+        + (f", the coordinator SIGKILLed every {a.kill_coordinator_every:g}s"
+           if a.kill_coordinator_every else "")
         + f"; pool of {cfg.num_blocks:,} blocks, K/V {kv.num_layers}x{kv.num_kv_heads}x"
           f"{kv.head_size} {kv.dtype} ({cfg.kv_block_bytes:,} bytes a block)",
         "placement:",
@@ -305,6 +329,7 @@ async def run_policy(setup: Setup, policy: str, stopper: Stopper, doc: dict) -> 
     from kvshm.service.sync_client import connect_sync
     from kvshm.workers.topology import pin
     cfg = setup.config
+    soak = None
     hashing = {"hash_algorithm": cfg.hash_algorithm, "hash_seed": cfg.hash_seed}
     # From this thread, which outlives it: PDEATHSIG follows the starting thread.
     coord = CoordinatorProcess(cfg, new_session=True, with_parent=True)
@@ -329,7 +354,8 @@ async def run_policy(setup: Setup, policy: str, stopper: Stopper, doc: dict) -> 
         sampler.start()
         probes = Probes(str(coord.socket), setup.base.workers, rate=setup.args.probe_rate,
                         seconds=len(setup.ramp) * (setup.duration + 120) + 60,
-                        pin=not setup.args.no_pin, **hashing)
+                        pin=not setup.args.no_pin,
+                        resume=bool(setup.args.kill_coordinator_every), **hashing)
         await probes.start()
         for i, k in enumerate(setup.ramp):
             if not admin.reset_prefix_cache():   # each step starts from a cold cache
@@ -340,7 +366,7 @@ async def run_policy(setup: Setup, policy: str, stopper: Stopper, doc: dict) -> 
                 return
             print(f"step {i + 1}/{len(setup.ramp)}: {policy}, {k} client(s) per node x "
                   f"{len(setup.base.workers)} nodes, {setup.duration:g}s ...", flush=True)
-            step = await run_step(setup, policy, k, str(coord.socket), sampler, probes,
+            step = await run_step(setup, policy, k, coord, sampler, probes,
                                   arena_path, (base_t1 - BASELINE_S, base_t1))
             stopper.listen()
             if step is None:   # interrupted
@@ -349,6 +375,10 @@ async def run_policy(setup: Setup, policy: str, stopper: Stopper, doc: dict) -> 
             doc["steps"].append(step)
             doc["problems"] += step.pop("problems")
             print(step_line(step), flush=True)
+            if "soak" in step:
+                soak = step["soak"]
+                for line in soak_lines(soak):
+                    print(line, flush=True)
     finally:
         if probes is not None:
             await probes.stop()
@@ -358,35 +388,69 @@ async def run_policy(setup: Setup, policy: str, stopper: Stopper, doc: dict) -> 
             arena.close()
         if admin is not None:
             admin.close()
-        code = await asyncio.to_thread(coord.stop)
+        # The script made the pool: nothing of it stays, however its coordinator ended.
+        code = await asyncio.to_thread(coord.stop, owns_pool=True)
         if code != 0:
             doc["problems"].append(f"the coordinator exited with {code}: {coord.stderr[-300:]}")
+        if soak is not None:
+            end = soak["end"]
+            left = left_behind(coord.name)
+            end["segments_left"] += left["segments_left"]
+            end["processes_left"] = left["processes_left"]
+            doc["problems"] += [f"soak: left behind: {x}" for x in end["segments_left"]
+                                + end["processes_left"]]
+            print(end_line(end), flush=True)
 
 
-async def run_step(setup: Setup, policy: str, k: int, socket: str, sampler: Sampler,
+async def run_step(setup: Setup, policy: str, k: int, coord, sampler: Sampler,
                    probes: Probes, arena_path: str,
                    baseline: tuple[float, float]) -> dict | None:
     """One step of the ramp: K clients per node started by the launcher of
-    `kvshm run` on the running coordinator (all together, for --duration
-    seconds, then whatever still runs is freed); its record, or None if it
-    was interrupted."""
+    `kvshm run` on the running coordinator `coord` (all together, for
+    --duration seconds, then whatever still runs is freed); in a soak,
+    watched over time and with --kill-coordinator-every its coordinator
+    killed and restarted.  Its record, or None if it was interrupted."""
     cfg = setup.config
     opts = LaunchOptions(
         num_workers=len(setup.base.workers) * k, duration=setup.duration, grace=0.0,
-        connect=socket, workload=setup.workload, engine=setup.engine,
+        connect=str(coord.socket), workload=setup.workload, engine=setup.engine,
         pin=not setup.args.no_pin, live=False, start_together=True,
         hash_algorithm=cfg.hash_algorithm, hash_seed=cfg.hash_seed)
     launch = Launch(opts, step_plan(setup, k), "shared")
     pages: dict = {}
     watcher = asyncio.ensure_future(_read_pages_late(setup, launch, k, arena_path, pages))
+    watch = killer = None
+    if setup.args.soak:
+        watch = Watch(launch, coord.name, window_period(setup.duration))
+        watch.start()
+        if setup.args.kill_coordinator_every:
+            cpus = None if setup.args.no_pin else setup.base.coordinator_cpus
+            killer = Killer(coord, setup.args.kill_coordinator_every, sampler, cpus,
+                            on_failure=lambda: _stop_clients(launch))
+            killer.start(launch, setup.duration)
     try:
         res = await launch.run()
     finally:
         watcher.cancel()
+        if killer is not None:
+            await killer.stop()
+        if watch is not None:
+            await watch.stop()
     if res.interrupted:
         return None
-    return step_record(setup, policy, k, res, launch.started_at, sampler, probes, baseline,
-                       pages)
+    step = step_record(setup, policy, k, res, launch.started_at, sampler, probes, baseline,
+                       pages, (watch, killer))
+    if "soak" in step and launch.turns is not None:   # the launcher unlinks its turn board
+        step["soak"]["end"]["segments_left"] += segments_left([launch.turns.name])
+    return step
+
+
+def _stop_clients(launch: Launch) -> None:
+    """A coordinator did not come back: stop the clients now rather than
+    after their reconnect timeout."""
+    for proc in launch.procs:
+        if proc.returncode is None:
+            proc.terminate()
 
 
 async def _read_pages_late(setup: Setup, launch: Launch, k: int, path: str,
@@ -402,16 +466,20 @@ async def _read_pages_late(setup: Setup, launch: Launch, k: int, path: str,
 
 
 def step_record(setup: Setup, policy: str, k: int, res: RunResult, t0: float | None,
-                sampler: Sampler, probes: Probes, baseline, pages: dict) -> dict:
-    """The figures of one step, per node and in total."""
+                sampler: Sampler, probes: Probes, baseline, pages: dict, soak=None) -> dict:
+    """The figures of one step, per node and in total (`soak`: the soak's
+    Watch and Killer, or None)."""
     cfg = setup.config
     per_token = cfg.kv_block_bytes / cfg.kv_block_size
     problems = [f"{policy}, {k} per node: client {w.index} {w.status}: {w.message}"
                 for w in res.workers if w.status != "done"]
+    whole = cfg.num_blocks - 1 - cfg.num_sink_blocks   # every block free but null (and sinks)
     for pool in res.pools:
-        if not pool["check_clean"] or pool.get("num_requests"):
+        if (not pool["check_clean"] or pool.get("num_requests")
+                or pool.get("num_free_blocks") != whole):
             problems.append(f"{policy}, {k} per node: the pool after the step is not whole: "
-                            f"{pool.get('num_requests')} requests left; "
+                            f"{pool.get('num_requests')} requests left, "
+                            f"{pool.get('num_free_blocks')} of {whole} blocks free; "
                             + "; ".join(pool["problems"]))
     t0 = t0 or time.time()
     secs = max([w.seconds for w in res.workers] + [1e-9])
@@ -464,43 +532,11 @@ def step_record(setup: Setup, policy: str, k: int, res: RunResult, t0: float | N
         "arena_bytes_per_token": per_token,
         "rows": rows, "problems": problems,
     }
-    if setup.args.soak:
-        step["soak"] = soak_drift(res, probes, sampler, t0, t1)
+    if soak is not None and soak[0] is not None:
+        nodes = [list(range(j * k, (j + 1) * k)) for j in range(len(setup.base.workers))]
+        step["soak"], more = soak_record(res, probes, sampler, *soak, nodes, t0, t1, whole)
+        problems += more
     return step
-
-
-def soak_drift(res: RunResult, probes: Probes, sampler: Sampler, t0: float, t1: float) -> dict:
-    """Latency of the first tenth of the soak against its last tenth (step
-    round trips by each client's step order, probe round trips by time) and
-    the coordinator's RSS (after the first tenth, at the end, highest)."""
-    tenth = (t1 - t0) / 10
-
-    def tenths(samples: list[int]):
-        n = max(1, len(samples) // 10)
-        return samples[:n], samples[-n:]
-
-    first, last = [], []
-    for w in res.workers:
-        a, b = tenths(w.stats.batch_us)
-        first += a
-        last += b
-    op_first = [x for p in probes.window(t0, t0 + tenth) for x in p]
-    op_last = [x for p in probes.window(t1 - tenth, t1) for x in p]
-    rss = sampler.rss_in(t0, t1)
-    after = [(r, sh) for t, r, sh in rss if t >= tenth] or [(r, sh) for _, r, sh in rss]
-    warm = [r for r, _ in after]
-    anon = [r - sh for r, sh in after]
-    return {
-        "step_us_first_tenth": quantiles(first), "step_us_last_tenth": quantiles(last),
-        "op_us_first_tenth": quantiles(op_first), "op_us_last_tenth": quantiles(op_last),
-        "rss_after_first_tenth": warm[0] if warm else None,
-        "rss_end": warm[-1] if warm else None, "rss_max": max(warm) if warm else None,
-        "rss_growth_bytes": (warm[-1] - warm[0]) if warm else None,
-        # RSS counts the pool segment's pages once touched: the private part
-        # is what a leak would grow.
-        "private_rss_growth_bytes": (anon[-1] - anon[0]) if anon else None,
-        "rss_series": [[round(t, 1), r, sh] for t, r, sh in rss[:: max(1, len(rss) // 200)]],
-    }
 
 
 def step_line(step: dict) -> str:

@@ -4,10 +4,11 @@ pool counters, and the figures made from them (quantiles, windows, Jain's
 fairness index, where the arena's pages are).
 
 Everything here reads the coordinator from outside: its CPU time and RSS
-from /proc (psutil), the pool's churn counters from the pool segment
-header (blocks_allocated / blocks_evicted, as `kvshm stats` shows them: no
-socket, no cost to the coordinator), the arena's pages
-from each client's /proc/PID/numa_maps; only the probes talk to it.
+from /proc (psutil; a restarted coordinator is followed, `Sampler.follow`),
+the pool's churn counters from the pool segment header (blocks_allocated /
+blocks_evicted, as `kvshm stats` shows them: no socket, no cost to the
+coordinator), the arena's pages from each client's /proc/PID/numa_maps;
+only the probes talk to it.
 """
 
 from __future__ import annotations
@@ -63,11 +64,15 @@ class Probe:
 class Probes:
     """One `stress_probe.py` process per node, pinned to the node's CPUs
     (`pin`), each sending `rate` GetStats calls a second for at most
-    `seconds`; their round trips collected as they come."""
+    `seconds`; their round trips collected as they come.  With `resume`
+    they ride through coordinator restarts (the call a restart cuts off
+    is answered by the next coordinator, its round trip the stall)."""
 
     def __init__(self, socket: str, nodes: list[Node], *, rate: float, seconds: float,
-                 hash_algorithm: str, hash_seed: str, pin: bool = True) -> None:
+                 hash_algorithm: str, hash_seed: str, pin: bool = True,
+                 resume: bool = False) -> None:
         self.args = (socket, rate, seconds, hash_algorithm, hash_seed, pin)
+        self.resume = resume
         self.nodes = nodes
         self.probes: list[Probe] = []
 
@@ -81,6 +86,8 @@ class Probes:
                     "--hash-seed", seed]
             if pin:
                 argv += ["--cpus", format_cpulist(node.cpus)]
+            if self.resume:
+                argv.append("--resume")
             proc = await asyncio.create_subprocess_exec(
                 *argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.PIPE, start_new_session=True,
@@ -139,30 +146,49 @@ async def _drain(proc: asyncio.subprocess.Process) -> str:
 @dataclass
 class Sample:
     t: float            # time.time()
-    cpu_s: float        # the coordinator's user + system CPU seconds
-    rss: int            # its resident set (bytes)
-    shared: int         # ... of which shared pages (the pool segment's, mostly)
+    cpu_s: float        # the coordinator's user + system CPU seconds (every incarnation's)
+    rss: int | None     # its resident set (bytes); None between a kill and the restart
+    shared: int | None  # ... of which shared pages (the pool segment's, mostly)
     allocated: int      # the pool's blocks_allocated counter
     evicted: int        # ... and blocks_evicted
+    pid: int            # the coordinator process read
 
 
 class Sampler:
     """Samples the coordinator (pid) and its pool segment every `period`
-    seconds while running (`start()` / `await stop()`)."""
+    seconds while running (`start()` / `await stop()`).  A coordinator
+    killed and restarted on the pool is a new process: `follow(pid)` reads
+    that one from then on, its CPU seconds added to those of the ones
+    before (as last read: CPU spent after the last sample of a killed one
+    is not counted), its RSS its own."""
 
     def __init__(self, pid: int, pool_name: str, period: float = 0.2) -> None:
         self.proc = psutil.Process(pid)
         self.segment = PoolSegment.attach(pool_name)
         self.period = period
         self.samples: list[Sample] = []
+        self._cpu_base = self._cpu_last = 0.0
         self._task: asyncio.Task | None = None
 
+    def follow(self, pid: int) -> None:
+        """Read the coordinator `pid` from now on (a restarted one)."""
+        self._cpu_base = self._cpu_last
+        self.proc = psutil.Process(pid)
+
     def sample(self) -> Sample:
-        cpu = self.proc.cpu_times()
-        mem = self.proc.memory_info()
+        try:
+            with self.proc.oneshot():
+                cpu = self.proc.cpu_times()
+                mem = self.proc.memory_info()
+        except psutil.Error:   # killed and not restarted yet
+            cpu_s, rss, shared = self._cpu_last, None, None
+        else:
+            cpu_s = self._cpu_base + cpu.user + cpu.system
+            rss, shared = mem.rss or None, getattr(mem, "shared", 0)
+        self._cpu_last = cpu_s
         seg = self.segment
-        s = Sample(time.time(), cpu.user + cpu.system, mem.rss, getattr(mem, "shared", 0),
-                   seg.get("blocks_allocated"), seg.get("blocks_evicted"))
+        s = Sample(time.time(), cpu_s, rss, shared if rss else None,
+                   seg.get("blocks_allocated"), seg.get("blocks_evicted"), self.proc.pid)
         self.samples.append(s)
         return s
 
@@ -199,10 +225,11 @@ class Sampler:
         return {k: getattr(a, k) + f * (getattr(b, k) - getattr(a, k))
                 for k in ("cpu_s", "allocated", "evicted")}
 
-    def rss_in(self, t0: float, t1: float) -> list[tuple[float, int, int]]:
-        """(seconds since t0, RSS, its shared part) of the samples taken in
-        [t0, t1]."""
-        return [(s.t - t0, s.rss, s.shared) for s in self.samples if t0 <= s.t <= t1]
+    def rss_in(self, t0: float, t1: float) -> list[tuple[float, int, int, int]]:
+        """(seconds since t0, RSS, its shared part, pid) of the samples taken
+        in [t0, t1] that read a live coordinator."""
+        return [(s.t - t0, s.rss, s.shared, s.pid) for s in self.samples
+                if t0 <= s.t <= t1 and s.rss is not None]
 
 
 def coordinator_window(sampler: Sampler, t0: float, t1: float, num_ops: int) -> dict:
@@ -210,7 +237,7 @@ def coordinator_window(sampler: Sampler, t0: float, t1: float, num_ops: int) -> 
     a, b = sampler.at(t0), sampler.at(t1)
     secs = max(t1 - t0, 1e-9)
     cpu = b["cpu_s"] - a["cpu_s"]
-    rss = [r for _, r, _ in sampler.rss_in(t0, t1)]
+    rss = [r for _, r, _, _ in sampler.rss_in(t0, t1)]
     return {
         "cpu_s": round(cpu, 3),
         "cpu_util": round(cpu / secs, 3),      # share of one CPU

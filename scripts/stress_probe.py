@@ -3,10 +3,13 @@
 sends the smallest operation there is (`GetStats`, one op per frame, over
 the blocking client) at a fixed rate and prints each round trip.
 
-    python scripts/stress_probe.py SOCKET --rate 100 --seconds 60 [--cpus 0,1]
+    python scripts/stress_probe.py SOCKET --rate 100 --seconds 60 [--cpus 0,1] [--resume]
 
 Prints "ready" once connected, then one line per call: the wall-clock time
-it was sent (time.time()) and its round trip in microseconds.  It stops
+it was sent (time.time()) and its round trip in microseconds.  With
+--resume its client rides through a coordinator restart as the clients
+do (reconnect with backoff, resume the session, send the call again), so
+the call a kill cuts off is timed until the next coordinator answers it.  It stops
 after --seconds, or as soon as its stdin closes (the stress script's way of
 stopping it), and exits 0.  Calls are paced from a fixed schedule, so a slow
 reply delays the next call but does not shift the schedule.
@@ -32,6 +35,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--node", type=int, default=-1, help="the node named in the handshake")
     ap.add_argument("--hash-algorithm", default=DEFAULT_HASH_ALGORITHM)
     ap.add_argument("--hash-seed", default=DEFAULT_HASH_SEED)
+    ap.add_argument("--resume", action="store_true",
+                    help="ride through coordinator restarts (default: a lost coordinator "
+                         "ends the probe)")
     args = ap.parse_args(argv)
     if args.rate <= 0 or args.seconds <= 0:
         ap.error("--rate and --seconds must be positive")
@@ -42,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
         pin(parse_cpulist(args.cpus))
     from kvshm.service.sync_client import connect_sync
     client = connect_sync(args.socket, node=args.node, hash_algorithm=args.hash_algorithm,
-                          hash_seed=args.hash_seed, resume=False)
+                          hash_seed=args.hash_seed, resume=args.resume)
     out = sys.stdout
     try:
         out.write("ready\n")

@@ -15,6 +15,8 @@ import msgspec
 from kvshm.workers.topology import allowed_cpus, discover, format_cpulist
 
 PLOTS = ("throughput.png", "p99.png", "latency_cdf.png")
+SOAK_ROWS = 40   # windows shown in the report's table (the JSON has every one)
+MIB = 1 << 20
 
 
 def document(setup, doc: dict) -> dict:
@@ -47,6 +49,7 @@ def document(setup, doc: dict) -> dict:
         "workload": dataclasses.asdict(setup.workload.synthetic),
         "engine": msgspec.to_builtins(setup.engine),
         "duration_s": setup.duration, "soak": bool(setup.args.soak),
+        "kill_coordinator_every": setup.args.kill_coordinator_every,
         "interrupted": doc["interrupted"], "problems": doc["problems"],
     }
 
@@ -126,23 +129,104 @@ def markdown(full: dict) -> str:
             f"{_n(r['arena_written_bytes_per_s'] / 1024)} | {where} |")
     for s in full["steps"]:
         if "soak" in s:
-            d = s["soak"]
-            out += ["", "## Soak", "",
-                    f"Step round trip p50/p99: first tenth {_n(d['step_us_first_tenth']['p50'])}"
-                    f" / {_n(d['step_us_first_tenth']['p99'])} us, last tenth "
-                    f"{_n(d['step_us_last_tenth']['p50'])} / "
-                    f"{_n(d['step_us_last_tenth']['p99'])} us.  Probe op p50/p99: first "
-                    f"{_n(d['op_us_first_tenth']['p50'])} / {_n(d['op_us_first_tenth']['p99'])}"
-                    f" us, last {_n(d['op_us_last_tenth']['p50'])} / "
-                    f"{_n(d['op_us_last_tenth']['p99'])} us.",
-                    f"Coordinator RSS: {_n(d['rss_after_first_tenth'])} bytes after the first "
-                    f"tenth, {_n(d['rss_end'])} at the end (max {_n(d['rss_max'])}; growth "
-                    f"{_n(d['rss_growth_bytes'])} bytes, of which private "
-                    f"{_n(d['private_rss_growth_bytes'])})."]
+            out += soak_markdown(s["soak"])
     if full["problems"]:
         out += ["", "## Problems", "", *(f"- {p}" for p in full["problems"])]
     out += ["", "docs/numa_stress.md says what each figure means.", ""]
     return "\n".join(out)
+
+
+def soak_markdown(d: dict) -> list[str]:
+    """The report's soak section: drift, restarts, windows over time,
+    coordinator incarnations, the end state."""
+    out = ["", "## Soak", "",
+           f"Step round trip p50/p99: first tenth {_n(d['step_us_first_tenth']['p50'])}"
+           f" / {_n(d['step_us_first_tenth']['p99'])} us, last tenth "
+           f"{_n(d['step_us_last_tenth']['p50'])} / "
+           f"{_n(d['step_us_last_tenth']['p99'])} us.  Probe op p50/p99: first "
+           f"{_n(d['op_us_first_tenth']['p50'])} / {_n(d['op_us_first_tenth']['p99'])}"
+           f" us, last {_n(d['op_us_last_tenth']['p50'])} / "
+           f"{_n(d['op_us_last_tenth']['p99'])} us.",
+           f"Coordinator RSS: {_n(d['rss_after_first_tenth'])} bytes after the first "
+           f"tenth, {_n(d['rss_end'])} at the end (max {_n(d['rss_max'])}; growth "
+           f"{_n(d['rss_growth_bytes'])} bytes, of which private "
+           f"{_n(d['private_rss_growth_bytes'])})"
+           + (" (across coordinator processes: see the incarnations below)."
+              if len(d.get("incarnations", [])) > 1 else ".")]
+    if d.get("restarts") is not None:
+        st, ready, gap, c = d["stall_ms"], d["ready_ms"], d["reply_gap_ms"], d["clients"]
+        out += ["", f"### Restarts (SIGKILL every {d['kill_coordinator_every']:g} s)", "",
+                f"{len(d['restarts'])} restarts ({d['kills_skipped']} kills skipped: due "
+                f"while a restart was under way).  Stall (kill -> first probe reply, the "
+                f"slowest node): median {_n(st['median'], ',.1f')} ms, max "
+                f"{_n(st['max'], ',.1f')} ms; coordinator ready after median "
+                f"{_n(ready['median'], ',.1f')} ms, max {_n(ready['max'], ',.1f')} ms; "
+                f"longest gap between a probe's replies {_n(gap['max'], ',.1f')} ms.  "
+                f"Clients: restarts ridden {', '.join(map(str, c['coordinator_restarts']))}; "
+                f"{_n(c['requests_resumed'])} requests resumed, {_n(c['requests_lost'])} "
+                f"lost, {_n(c['recomputed_tokens'])} tokens recomputed; their stall (loss -> "
+                f"resumed) median {_n(c['stall_ms']['median'])} ms, max "
+                f"{_n(c['stall_ms']['max'])} ms.",
+                "", "| at s | cause | pid killed -> new | ready ms | stall ms (per node) "
+                "| reply gap ms | generation | segment check |",
+                "|---|---|---|---|---|---|---|---|"]
+        for r in d["restarts"]:
+            nodes = ", ".join(_n(x, ",.0f") for x in r.get("stall_ms_by_node", []))
+            if "error" in r:
+                check = f"did not come back: {r['error']}"
+            else:
+                check = "clean" if r["check_clean"] else "FAILED: " + "; ".join(r["problems"])
+            out.append(f"| {r['at_s']:.1f} | {r['cause']} | {r['killed_pid']} -> "
+                       f"{r.get('pid', '-')} | {_n(r.get('ready_ms'), ',.0f')} | "
+                       f"{_n(r.get('stall_ms'), ',.0f')} ({nodes}) | "
+                       f"{_n(r.get('reply_gap_ms'), ',.0f')} | {_n(r.get('generation'))} "
+                       f"| {check} |")
+    rows = d.get("samples", [])
+    if rows:
+        every = -(-len(rows) // SOAK_ROWS)
+        shown = rows[::every]
+        if shown[-1] is not rows[-1]:
+            shown.append(rows[-1])
+        out += ["", f"### Over time (windows of {d['window_s']:g} s"
+                + (f"; every {every}th shown, the JSON has all {len(rows)}" if every > 1
+                   else "") + ")", "",
+                "A window ending at `t *` holds a kill; `down`: no coordinator at its end.", "",
+                "| t s | coordinator pid | RSS MiB | private MiB | free blocks | cached "
+                "| requests | alloc/s | evict/s | ops/s per node | fairness | op p99 / max us |",
+                "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in shown:
+            out.append(
+                f"| {r['t_s']:.1f}{' *' if r['restart'] else ''} | {r['pid'] or 'down'} | "
+                f"{_mib(r['rss'])} | "
+                f"{_mib(r['private_rss'])} | {_n(r['free_blocks'])} | "
+                f"{_n(r['cached_blocks'])} | {_n(r['requests'])} | "
+                f"{_n(r['allocated_per_s'])} | {_n(r['evicted_per_s'])} | "
+                f"{' / '.join(_n(x) for x in r['ops_per_s_by_node'])} | "
+                f"{_n(r['fairness'], '.3f')} | {_n(r['op_p99_us'])} / "
+                f"{_n(r['op_max_us'])} |")
+    inc = d.get("incarnations", [])
+    if len(inc) > 1:
+        out += ["", "### Coordinator processes (a restart is a new process)", "",
+                "| # | pid | from s | to s | RSS MiB first / last / max "
+                "| private MiB first / last / max |", "|---|---|---|---|---|---|"]
+        for i, x in enumerate(inc):
+            out.append(f"| {i} | {x['pid']} | {x['from_s']:.1f} | {x['to_s']:.1f} | "
+                       f"{_mib(x['rss_first'])} / {_mib(x['rss_last'])} / "
+                       f"{_mib(x['rss_max'])} | {_mib(x['private_first'])} / "
+                       f"{_mib(x['private_last'])} / {_mib(x['private_max'])} |")
+    end = d.get("end")
+    if end:
+        out += ["", f"At the end: the pool is {'whole' if end['whole'] else '**not whole**'} "
+                f"({_n(end['num_free_blocks'])} of {_n(end['num_free_whole'])} blocks free, "
+                f"{_n(end['num_requests'])} requests, segment check "
+                f"{'clean' if end['check_clean'] else 'FAILED'}); left in /dev/shm: "
+                f"{', '.join(end['segments_left']) or 'nothing'}; processes left: "
+                f"{', '.join(end['processes_left']) or 'none'}."]
+    return out
+
+
+def _mib(v) -> str:
+    return "-" if v is None else f"{v / MIB:,.1f}"
 
 
 # -- plots ----------------------------------------------------------------------------------------
@@ -207,7 +291,57 @@ def plots(steps: list[dict], out: Path) -> str:
           xlabel="step batch round trip (us)")
     fig.savefig(out / "latency_cdf.png", dpi=110, bbox_inches="tight")
     plt.close(fig)
-    return "wrote " + ", ".join(str(out / name) for name in PLOTS)
+    names = list(PLOTS)
+    soaks = [s["soak"] for s in steps if s.get("soak", {}).get("samples")]
+    if soaks:
+        soak_plot(plt, soaks[-1], out / "soak.png")
+        names.append("soak.png")
+    return "wrote " + ", ".join(str(out / name) for name in names)
+
+
+def soak_plot(plt, d: dict, path: Path) -> None:
+    """The soak over time: the coordinator's RSS, the pool's blocks, fairness
+    and the probe's p99 per window; a dotted line at each restart."""
+    rows = d["samples"]
+    t = [r["t_s"] for r in rows]
+    fig, axes = plt.subplots(3, 1, figsize=(7.2, 8.0), sharex=True)
+    ax = axes[0]
+    ax.plot(t, [_mb(r["rss"]) for r in rows], ".-", label="RSS")
+    ax.plot(t, [_mb(r["private_rss"]) for r in rows], ".-", label="private RSS")
+    ax.set_ylabel("coordinator MiB")
+    ax = axes[1]
+    ax.plot(t, [r["free_blocks"] for r in rows], "-", label="free blocks")
+    ax.plot(t, [r["cached_blocks"] for r in rows], "-", label="cached blocks")
+    ax.plot(t, [r["used_blocks"] for r in rows], "-", label="used blocks")
+    ax.set_ylabel("blocks")
+    ax = axes[2]
+    ax.plot(t, [_nan(r["fairness"]) for r in rows], ".-", color="C0", label="fairness (Jain)")
+    ax.set_ylim(0, 1.05)
+    ax.set_ylabel("Jain's index")
+    ax2 = ax.twinx()
+    ax2.plot(t, [_nan(r["op_p99_us"]) for r in rows], ".:", color="C3",
+             label="probe op p99 us")
+    ax2.set_yscale("log")
+    ax2.set_ylabel("op p99 (us)")
+    ax2.legend(fontsize=7, loc="lower right")
+    for ax in axes:
+        for r in d.get("restarts") or []:
+            ax.axvline(r["at_s"], color="grey", linestyle=":", linewidth=0.8)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7, loc="lower left")
+    axes[0].set_title("soak over time" + (" (dotted: coordinator restarts)"
+                                          if d.get("restarts") else ""))
+    axes[-1].set_xlabel("seconds into the soak")
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+
+
+def _nan(v) -> float:
+    return float("nan") if v is None else v
+
+
+def _mb(v) -> float:
+    return float("nan") if v is None else v / MIB
 
 
 def _axes(ax, ylabel: str, title: str, ticks=None, xlabel: str = "clients per node") -> None:

@@ -1,7 +1,8 @@
 """scripts/numa_stress.py end to end in a few seconds (the CI smoke test): a
 two-step ramp writes its JSON, report and plots and leaves nothing behind;
-the arena policy on a one-node host; bad arguments; Ctrl-C.  Also the
-script's own arithmetic (stress_measure.py)."""
+a soak, and one whose coordinator is SIGKILLed twice; the arena policy on a
+one-node host; bad arguments; Ctrl-C.  Also the script's own arithmetic
+(stress_measure.py, stress_soak.py)."""
 
 from __future__ import annotations
 
@@ -82,6 +83,52 @@ def test_a_soak_is_one_step_with_rss_and_latency_drift(tmp_path):
         assert soak[key]["p50"] > 0 and soak[key]["p99"] >= soak[key]["p50"]
     assert soak["rss_end"] > 0 and soak["rss_max"] >= soak["rss_end"]
     assert soak["rss_series"] and "## Soak" in (tmp_path / "numa_stress.md").read_text()
+    assert soak["samples"] and soak["end"]["whole"] and "restarts" not in soak
+    assert not leftovers(before)
+
+
+def test_a_soak_whose_coordinator_is_killed_rides_through_and_leaves_nothing(tmp_path):
+    before = kvshm_segments()
+    proc = stress("--clients-per-node", "1", "--soak", "6", "--kill-coordinator-every", "2",
+                  "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr
+    doc = json.loads((tmp_path / "numa_stress.json").read_text())
+    assert doc["kill_coordinator_every"] == 2 and not doc["problems"]
+    soak = doc["steps"][0]["soak"]
+    restarts = soak["restarts"]
+    # Kills due at 2 s and 4 s (none in the last second); one due while the
+    # last restart was still under way would be skipped, and said.
+    assert len(restarts) + soak["kills_skipped"] == 2 and restarts
+    pids = [restarts[0]["killed_pid"]] + [r["pid"] for r in restarts]
+    assert len(set(pids)) == len(pids)                    # each restart is a new process
+    assert [r["killed_pid"] for r in restarts[1:]] == pids[1:-1]
+    for i, r in enumerate(restarts, 1):
+        assert r["cause"] == "killed" and r["check_clean"] and r["generation"] == i
+        # (a probe's reply gap may start up to 20 ms after the kill: an old reply)
+        assert 0 < r["ready_ms"] and 0 < r["stall_ms"] <= r["reply_gap_ms"] + 20
+        assert r["stall_ms"] == max(r["stall_ms_by_node"])   # every node's probe came back
+    assert soak["stall_ms"]["count"] == len(restarts)
+    assert soak["stall_ms"]["median"] <= soak["stall_ms"]["max"]
+    assert [x["pid"] for x in soak["incarnations"]] == pids
+    samples = soak["samples"]
+    assert len(samples) >= 5 and sum(r["restart"] for r in samples) == len(restarts)
+    assert [r["t_s"] for r in samples] == sorted(r["t_s"] for r in samples)
+    for r in samples:
+        assert 0 <= r["free_blocks"] <= 8191 and r["requests"] >= 0
+        assert len(r["ops_per_s_by_node"]) == 2
+        assert r["rss"] is None or r["rss"] > r["private_rss"] > 0   # None: between two
+    clients = soak["clients"]
+    assert clients["coordinator_restarts"] == [len(restarts)] * 2
+    assert clients["requests_lost"] == 0 and clients["requests_resumed"] > 0
+    end = soak["end"]
+    assert end["whole"] and end["num_free_blocks"] == end["num_free_whole"] == 8191
+    assert end["num_requests"] == 0 and end["check_clean"]
+    assert end["segments_left"] == [] and end["processes_left"] == []
+    report = (tmp_path / "numa_stress.md").read_text()
+    assert "### Restarts (SIGKILL every 2 s)" in report and "| killed |" in report
+    assert (tmp_path / "soak.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "restarts: " in proc.stdout and "end: pool whole" in proc.stdout
     assert not leftovers(before)
 
 
@@ -99,6 +146,13 @@ def test_an_arena_policy_on_one_node_says_there_is_nothing_to_place(policy):
     (["--clients-per-node", "1", "0"], "--clients-per-node values must be at least 1"),
     (["--duration", "0"], "--duration must be positive"),
     (["--soak", "-5"], "--soak must be positive"),
+    (["--kill-coordinator-every", "2"], "--kill-coordinator-every needs --soak"),
+    (["--soak", "10", "--kill-coordinator-every", "0"],
+     "--kill-coordinator-every must be positive"),
+    (["--soak", "5", "--kill-coordinator-every", "5"],
+     "--kill-coordinator-every must be shorter than the soak, by 1s at least (its last "
+     "second has no kill): got 5s for a 5s soak"),
+    (["--soak", "5", "--kill-coordinator-every", "4.5"], "got 4.5s for a 5s soak"),
     (["--nodes", "0"], "--nodes must be at least 1"),
     (["--verify-hits", "0.5"], "--verify-hits needs --compute"),
     (["--shared-prefix", "1.5"], "share_system must be in [0, 1]"),
@@ -167,3 +221,35 @@ def test_probe_windows_keep_the_calls_sent_inside(measure):
     probe = measure.Probe(node=None, proc=None, samples=[(1.0, 10.0), (2.0, 20.0), (3.0, 30.0)])
     assert probe.window(1.5, 3.0) == [20.0]
     assert probe.window(0.0, 9.0) == [10.0, 20.0, 30.0]
+
+
+@pytest.fixture
+def soak(monkeypatch):
+    monkeypatch.syspath_prepend(str(REPO / "scripts"))
+    import stress_soak
+    return stress_soak
+
+
+def test_a_stall_runs_from_the_kill_to_the_first_reply_served_after_it(soak, measure):
+    # (sent at, round trip us): a call cut off by the kill at 1.1 s, answered at 1.52 s
+    cut = measure.Probe(node=None, proc=None, samples=[
+        (1.0, 1000.0), (1.01, 1000.0), (1.02, 500_000.0), (1.53, 1000.0)])
+    # a reply the killed coordinator wrote, read 5 ms after the kill: not the new one's
+    late = measure.Probe(node=None, proc=None, samples=[(1.095, 10_000.0), (1.6, 1000.0)])
+    probes = measure.Probes("sock", [], rate=1, seconds=1, hash_algorithm="", hash_seed="")
+    probes.probes = [cut, late]
+    assert soak.stalls(probes, 1.1) == {"stall_ms": 501.0, "stall_ms_by_node": [420.0, 501.0],
+                                        "reply_gap_ms": 509.0}
+    gone = measure.Probe(node=None, proc=None, samples=[(1.0, 1000.0)])   # none after it
+    probes.probes = [cut, gone]
+    assert soak.stalls(probes, 1.1) == {"stall_ms": None, "stall_ms_by_node": [420.0, None],
+                                        "reply_gap_ms": 509.0}
+
+
+def test_op_counts_between_progress_reports(soak):
+    seen = [(0.0, 0), (0.5, 100), (1.0, 200), (3.0, 300)]
+    assert soak.ops_at(seen, 0.25) == 50
+    assert soak.ops_at(seen, 2.0) == 200      # a stall: its ops come in the last 0.5 s
+    assert soak.ops_at(seen, 2.75) == 250
+    assert soak.ops_at(seen, 9.0) == 300 and soak.ops_at(seen, -1.0) == 0
+    assert soak.window_period(6) == 0.5 and soak.window_period(1800) == 5.0
