@@ -217,13 +217,17 @@ class SingleTypeManager:
         # Each block's parent in its chain: the block before it (0 for the
         # first, or where a window has dropped that one).
         parent = blocks[num_cached - 1] if 0 < num_cached <= len(blocks) else 0
+        # The row's count first: its undo entry opens the frame in the
+        # segment (with the frame's first cache stamp) before any block is
+        # cached, so a crash in the loop below is rolled back whole
+        # (core/recovery.py uncaches what a cut-off frame cached).
+        self._set_num_cached(rid, num_full)
         for i in range(num_cached, end):
             b = blocks[i]
             if b:  # null placeholders (out of window) are never cached
                 pool.cache_block(b, hashes[i * k + k - 1], g, writer if i >= ready else -1,
                                  parent)
                 parent = b
-        self._set_num_cached(rid, num_full)
         if pool.events is not None:   # (off the hot path when nobody records events)
             stored = [hashes[i * k + k - 1] for i in range(num_cached, min(num_full, len(blocks)))
                       if blocks[i]]

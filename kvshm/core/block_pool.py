@@ -301,14 +301,18 @@ class BlockPool:
         off = block * _H
         self._hashes[off:off + len(block_hash)] = block_hash
         self._group[block] = group_id
+        # The flag last: a block a crash leaves flagged carries this stamp
+        # and writer, so repair knows it for the cut-off frame's and uncaches
+        # it (core/recovery.py); set first, it kept an older stamp (or none)
+        # and stayed cached with K/V nobody wrote.
+        self._cache_stamp[block] = self._next_cache_stamp
+        self._next_cache_stamp += 1
         if writer >= 0:
-            self._flags[block] = FLAG_CACHED | FLAG_PENDING
             self._writer[block] = writer
+            self._flags[block] = FLAG_CACHED | FLAG_PENDING
             self.pending[block] = self.reader
         else:
             self._flags[block] = FLAG_CACHED
-        self._cache_stamp[block] = self._next_cache_stamp
-        self._next_cache_stamp += 1
         self.num_cached_blocks += 1
 
     def mark_ready(self, block: int) -> None:
@@ -405,9 +409,12 @@ class BlockPool:
         self.pending.clear()
         # Every block but the null block is free here (no sink blocks either:
         # they count as used), so a flag is either 0 or CACHED.
+        # One copy that keeps the null block's flag: a crash part-way leaves
+        # some blocks cached (harmless) but never the null block unmarked.
         flags = self._flags
-        flags[:] = bytes(len(flags))
-        flags[NULL_BLOCK] = FLAG_NULL
+        cleared = bytearray(len(flags))
+        cleared[NULL_BLOCK] = FLAG_NULL
+        flags[:] = cleared
         self.num_cached_blocks = 0
         self.uncached += 1
         if self.events is not None:
