@@ -400,3 +400,37 @@ def test_kvshm_hashes_fresh_multimodal_requests_as_vllm_does(tmp_path):
     assert len(cases) > 200
     wrong = [c["name"] for c in cases if replay_case(c) != c["block_hashes"]]
     assert not wrong, f"seed {seed}: {wrong}"
+
+
+PLUGIN_LOAD = r'''
+import sys
+import vllm.version
+vllm.version.__version__ = sys.argv[1]
+from vllm.plugins import load_general_plugins
+from vllm.v1.core.sched import scheduler
+load_general_plugins()
+print("started", scheduler.KVCacheManager.__module__)
+'''
+
+
+@pytest.mark.parametrize("release,pool,ends", [
+    ("0.32.0", "embedded", None),
+    ("0.32.0", None, "started vllm.v1.core.kv_cache_manager"),
+    ("0.14.0+cpu", "embedded", "started kvshm.vllm.manager")])
+def test_vllm_s_plugin_loader_refuses_an_unsupported_release_in_one_line(release, pool, ends):
+    """Through vLLM's own entry-point loader: with KVSHM_POOL set, an
+    engine whose vLLM says it is 0.32.0 stops with one line on stderr and
+    nothing patched; without KVSHM_POOL it starts on vLLM's own manager."""
+    env = {k: v for k, v in os.environ.items() if k not in ("KVSHM_POOL", "PYTHONHASHSEED")}
+    if pool is not None:
+        env["KVSHM_POOL"] = pool
+    proc = subprocess.run([str(VLLM_PYTHON), "-c", PLUGIN_LOAD, release], capture_output=True,
+                          text=True, env=env, timeout=ENGINE_TIMEOUT)
+    if ends is not None:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert proc.stdout.strip().splitlines()[-1].startswith(ends), proc.stdout[-3000:]
+        return
+    assert proc.returncode == 1 and "started" not in proc.stdout
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("kvshm ") and "supports vLLM 0.14.0, not the vLLM 0.32.0" in last
