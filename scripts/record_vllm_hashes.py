@@ -13,7 +13,10 @@ hasher runs at construction and after every append, as in an engine, and
 the case records every block hash it produced.  The hand-written cases pin
 the edges of vLLM's placeholder walk (a block starting where an item ends,
 an item ending on a block boundary, blocks completed later by generated
-tokens); `--random N` adds N random cases drawn with `--seed`.
+tokens, token ids vLLM takes that kvshm's own hashing does not: -1 image
+placeholders, as vLLM's own multimodal prefix-caching test writes them, and
+ids across the 64-bit range); `--random N` adds N random cases drawn with
+`--seed`.
 
 tests/data/vllm_mm_block_hashes.json was written by this script (seed 0);
 tests/test_vllm.py also runs it with a fresh seed and compares kvshm's
@@ -33,10 +36,11 @@ ALGORITHMS = {"vllm-sha256": "sha256", "vllm-sha256-cbor": "sha256_cbor"}
 
 def hand_cases() -> list[dict]:
     """Cases chosen for the edges of vLLM's walk (block size 4 unless said)."""
-    def case(name, prompt_len, mm=(), appends=(), bs=4, lora=None, salt=None, embeds=None):
+    def case(name, prompt_len, mm=(), appends=(), bs=4, lora=None, salt=None, embeds=None,
+             ids=None):
         return {"name": name, "block_size": bs, "prompt_len": prompt_len,
                 "mm_features": [list(f) for f in mm], "appends": [list(a) for a in appends],
-                "lora_name": lora, "cache_salt": salt, "embeds": embeds}
+                "lora_name": lora, "cache_salt": salt, "embeds": embeds, "ids": ids}
     steps = [[7], [8], [9], [10, 11, 12, 13, 14, 15]]
     return [
         case("items in, across and on block edges", 20,
@@ -61,7 +65,28 @@ def hand_cases() -> list[dict]:
              lora="adapter-b", salt="s", embeds={"dtype": "bfloat16", "hidden": 3}),
         case("prompt embeds and items", 21, [(4, 5, "e-img")], steps,
              embeds={"dtype": "float16", "hidden": 2}),
+        case("image placeholder ids -1, as vLLM's multimodal test", 20,
+             [(2, 7, "img-a"), (12, 5, "img-b")], steps, ids="placeholder"),
+        case("ids across the 64-bit range", 16, appends=[[-1], [2**63 - 1], [-2**63, 2**32]],
+             ids="wide"),
     ]
+
+
+# Edges of the encodings (CBOR's and pickle's integer forms) in 64 bits.
+WIDE_IDS = (-1, -24, -25, -256, -257, -65537, -2**31, -2**31 - 1, -2**63, 2**32 - 1, 2**32,
+            2**40, 2**63 - 1)
+
+
+def draw_ids(rng: random.Random, n: int, ids: str | None, mm=()) -> list[int]:
+    """`n` token ids: vocabulary ids; with "placeholder" -1 over the items'
+    spans; with "wide" a mix of them and WIDE_IDS."""
+    out = [rng.randrange(2**17) for _ in range(n)]
+    if ids == "placeholder":
+        for off, length, _ in mm:
+            out[off:off + length] = [-1] * length
+    elif ids == "wide":
+        out = [rng.choice(WIDE_IDS) if rng.random() < 0.5 else t for t in out]
+    return out
 
 
 def random_cases(rng: random.Random, n: int) -> list[dict]:
@@ -74,14 +99,17 @@ def random_cases(rng: random.Random, n: int) -> list[dict]:
             length = rng.randint(1, min(prompt_len - pos, 3 * bs))
             mm.append([pos, length, f"item-{rng.randrange(3)}-{length}"])
             pos += length + rng.choice((0, 0, 1, bs))
-        appends = [[rng.randrange(50_000) for _ in range(rng.choice((1, 1, 1, 2, bs, 3 * bs)))]
+        ids = rng.choice((None, None, "placeholder", "wide"))
+        appends = [draw_ids(rng, rng.choice((1, 1, 1, 2, bs, 3 * bs)),
+                            None if ids is None else "wide")
                    for _ in range(rng.randint(0, 8))]
         embeds = ({"dtype": rng.choice(("float32", "bfloat16")), "hidden": rng.randint(1, 4)}
                   if rng.random() < 0.25 else None)
         out.append({"name": f"random {i}", "block_size": bs, "prompt_len": prompt_len,
                     "mm_features": mm, "appends": appends,
                     "lora_name": rng.choice((None, None, "lora-x")),
-                    "cache_salt": rng.choice((None, None, "salt-y")), "embeds": embeds})
+                    "cache_salt": rng.choice((None, None, "salt-y")), "embeds": embeds,
+                    "ids": ids})
     return out
 
 
@@ -111,7 +139,7 @@ def record(cases: list[dict], rng: random.Random) -> list[dict]:
                     c["prompt"] = None
                     c["prompt_embeds"] = kv_cache_utils.tensor_data(embeds).tobytes().hex()
                 else:
-                    c["prompt"] = [rng.randrange(2**17) for _ in range(n)]
+                    c["prompt"] = draw_ids(rng, n, c["ids"], c["mm_features"])
                     c["prompt_embeds"] = None
                 features = [MultiModalFeatureSpec(data=None, modality="image", identifier=ident,
                                                   mm_position=PlaceholderRange(off, length))

@@ -92,11 +92,43 @@ def test_vllm_hashes_extend_incrementally_and_validate_tokens():
     r = Request("b", list(range(5)), h)
     r.append_token_ids(range(5, 12))
     assert r.block_hashes == whole
-    for bad in ([-1, 0, 0, 0], [0, 0, 0, 2**32], [0, "x", 0, 0]):
-        with pytest.raises(InvalidArgument, match="token ids"):
+    for bad in ([-2**63 - 1, 0, 0, 0], [0, 0, 0, 2**63], [0, "x", 0, 0], [0, 1.0, 0, 0]):
+        for algorithm in ("vllm-sha256-cbor", "vllm-sha256"):
+            with pytest.raises(InvalidArgument, match=r"token ids must be integers in "
+                                                      r"\[-2\*\*63, 2\*\*63\) \(64-bit"):
+                BlockHasher(algorithm, "0", 4).hash_blocks(bad, 0, None)
+            with pytest.raises(InvalidArgument, match="token ids"):
+                Request("c", bad, BlockHasher(algorithm, "0", 4))
+
+
+@pytest.mark.parametrize("algorithm", ["vllm-sha256", "vllm-sha256-cbor"])
+def test_vllm_algorithms_take_every_64_bit_id_as_vllm_does(algorithm):
+    """vLLM hashes whatever ints a request holds: its own multimodal test
+    puts -1 where an image goes.  (The stored vectors, recorded from vLLM,
+    check the bytes; tests/test_multimodal.py.)"""
+    h = BlockHasher(algorithm, "0", 4)
+    ids = [-1, -1, -1, 7, -2**63, 2**63 - 1, 2**32, -257]
+    r = Request("r", ids[:5], h)
+    r.append_token_ids(ids[5:])
+    assert r.block_hashes == Request("w", ids, h).block_hashes
+    assert len(r.block_hashes) == 2 and r.all_token_ids == ids
+    assert Request("r", [-1]).all_token_ids == [-1]          # no hasher: any 64-bit id
+
+
+@pytest.mark.parametrize("algorithm", ["sha256", "xxh3_128"])
+def test_kvshm_s_own_algorithms_keep_their_range_and_say_why(algorithm):
+    h = BlockHasher(algorithm, "s", 4)
+    why = r"\[0, 2\*\*32\) \(kvshm's own hash algorithms pack each id in 4 bytes; a pool " \
+          r"hashing with vllm-sha256 or vllm-sha256-cbor takes any 64-bit id, -1 included\)"
+    for bad in ([-1, 0, 0, 0], [0, 0, 0, 2**32]):
+        with pytest.raises(InvalidArgument, match=why):
+            Request("r", bad, h)
+        with pytest.raises(InvalidArgument, match=why):
             h.hash_blocks(bad, 0, None)
-        with pytest.raises(InvalidArgument, match="token ids"):
-            BlockHasher("vllm-sha256", "0", 4).hash_blocks(bad, 0, None)
+    r = Request("r", [1, 2], h)
+    with pytest.raises(InvalidArgument, match=why):
+        r.append_token_ids([3, -1])
+    assert r.all_token_ids == [1, 2] and r.num_tokens == 2 and r.block_hashes == []
 
 
 def test_canonical_cbor_matches_the_rfc_examples():

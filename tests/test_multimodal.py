@@ -40,7 +40,9 @@ def test_vllm_algorithms_hash_items_and_embeds_as_vllm_does(case):
 def test_the_vectors_cover_the_walk_s_edges():
     names = {c["name"] for c in VECTORS["cases"]}
     assert {"an item ending where a later pass starts, then the last item",
-            "prompt embeds, bfloat16, with lora and salt"} <= names
+            "prompt embeds, bfloat16, with lora and salt",
+            "image placeholder ids -1, as vLLM's multimodal test",
+            "ids across the 64-bit range"} <= names
     assert {c["algorithm"] for c in VECTORS["cases"]} == {"vllm-sha256", "vllm-sha256-cbor"}
 
 
@@ -180,6 +182,36 @@ def test_the_coordinator_stores_vllm_s_hashes_for_items_and_embeds(vllm_proc, na
         c.cache_blocks("r", case["prompt_len"])
         want = [external_hash(bytes.fromhex(h)) for h in case["block_hashes"][0]]
         assert stored_hashes(c.take_events()) == want
+
+
+def test_image_placeholder_ids_are_hashed_and_published_as_vllm_does(vllm_proc):
+    """-1 where an image goes (vLLM's own multimodal prefix-caching test):
+    the coordinator hashes it as vLLM does and its events carry the ids."""
+    case = vllm_case("image placeholder ids -1, as vLLM's multimodal test", "vllm-sha256")
+    assert case["prompt"].count(-1) == 12
+    with sync_client(vllm_proc) as c:
+        c.take_events()
+        c.add_request("r", case["prompt"], mm_features=case["mm_features"])
+        c.allocate_slots("r", 20)
+        c.cache_blocks("r", 20)
+        events = [e for e in c.take_events() if isinstance(e, BlockStored)]
+        want = [external_hash(bytes.fromhex(h)) for h in case["block_hashes"][0]]
+        assert [h for e in events for h in e.block_hashes] == want
+        assert [t for e in events for t in e.token_ids] == case["prompt"]
+
+
+def test_a_kvshm_hashed_pool_refuses_negative_ids_saying_why_and_changes_nothing(pool_name):
+    with CoordinatorProcess(make_config(num_blocks=64, max_num_seqs=16), name=pool_name) as proc:
+        with connect_sync(proc.socket) as c:
+            for call in (lambda: c.add_request("a", [5, -1, 6]),
+                         lambda: c.call(p.AddRequest("a", [5, -1, 6]))):
+                with pytest.raises(InvalidArgument, match="pack each id in 4 bytes; a pool "
+                                                          "hashing with vllm-sha256"):
+                    call()
+            with pytest.raises(UnknownRequest):
+                c.get_block_ids("a")
+            c.add_request("a", [5, 0, 6])                  # the id is still free
+            assert c.get_block_ids("a") == [[]]
 
 
 def test_bad_items_over_the_wire_are_refused_and_change_nothing(vllm_proc):

@@ -14,6 +14,12 @@ Two families of algorithms:
   vLLM engine computes with `prefix_caching_hash_algo` `sha256` (pickle) or
   `sha256_cbor` (canonical CBOR), the seed playing PYTHONHASHSEED's part, so a
   pool can take the `block_hashes` vLLM requests already carry.
+
+Token ids: kvshm's own algorithms pack each id in 4 bytes, so they take
+ids in [0, 2**32); vLLM's hash whatever ints a request holds, placeholders
+such as -1 included (vLLM's own multimodal tests use it), so the vLLM
+algorithms take every 64-bit id, the range of vLLM's token tensors
+(`TokenRange`).
 """
 
 from __future__ import annotations
@@ -38,6 +44,34 @@ VLLM_HASH_ALGORITHMS = {"vllm-sha256": "sha256", "vllm-sha256-cbor": "sha256_cbo
 # expects unless told).
 DEFAULT_HASH_ALGORITHM = "sha256"
 DEFAULT_HASH_SEED = "kvshm-0"
+
+
+class TokenRange:
+    """The token ids a hashing takes: `typecode` is the `array` type whose
+    range they are (a C-speed check), `why` the reason, for the error."""
+
+    __slots__ = ("typecode", "text", "why")
+
+    def __init__(self, typecode: str, text: str, why: str) -> None:
+        self.typecode, self.text, self.why = typecode, text, why
+
+    def check(self, tokens: list) -> None:
+        """Raise InvalidArgument unless every one of `tokens` is an int in
+        the range."""
+        try:
+            array(self.typecode, tokens)
+        except (TypeError, OverflowError):
+            raise self.error() from None
+
+    def error(self) -> InvalidArgument:
+        return InvalidArgument(f"token ids must be integers in {self.text} ({self.why})")
+
+
+# vLLM's algorithms (and a request that is not hashed): any 64-bit id.
+VLLM_TOKEN_RANGE = TokenRange("q", "[-2**63, 2**63)", "64-bit, as vLLM's token tensors")
+KVSHM_TOKEN_RANGE = TokenRange(
+    "I", "[0, 2**32)", "kvshm's own hash algorithms pack each id in 4 bytes; "
+    "a pool hashing with vllm-sha256 or vllm-sha256-cbor takes any 64-bit id, -1 included")
 
 _SCHEME = b"kvshm-block-hash-v1"
 
@@ -88,18 +122,19 @@ def cbor_canonical(obj: Any) -> bytes:
 
 
 def _cbor_tokens(tokens: Sequence[int]) -> bytes:
-    """cbor_canonical(tuple(tokens)) for checked token ids (ints in [0, 2**32))."""
-    return _cbor_head(4, len(tokens)) + b"".join(map(_cbor_uint, tokens))
+    """cbor_canonical(tuple(tokens)) for checked token ids (64-bit ints)."""
+    return _cbor_head(4, len(tokens)) + b"".join(map(_cbor_token, tokens))
 
 
-def _cbor_uint(n: int) -> bytes:
-    if n < 24:
+def _cbor_token(n: int) -> bytes:
+    # cbor_canonical of one checked token id, the common ranges inline.
+    if 0 <= n < 24:
         return _SMALL[n]
-    if n < 0x100:
+    if 0 <= n < 0x100:
         return b"\x18" + n.to_bytes(1, "big")
-    if n < 0x10000:
+    if 0 <= n < 0x10000:
         return b"\x19" + n.to_bytes(2, "big")
-    return b"\x1a" + n.to_bytes(4, "big")
+    return _cbor_head(0, n) if n >= 0 else _cbor_head(1, -1 - n)
 
 
 _SMALL = [bytes((n,)) for n in range(24)]
@@ -151,7 +186,7 @@ class BlockHasher:
     """
 
     __slots__ = ("algorithm", "seed", "block_size", "digest_size", "none_hash",
-                 "fingerprint", "namespace", "vllm", "_fn", "_pack", "_ns")
+                 "fingerprint", "namespace", "vllm", "token_range", "_fn", "_pack", "_ns")
 
     def __init__(self, algorithm: str, seed: str, block_size: int,
                  namespace: str = "") -> None:
@@ -162,6 +197,8 @@ class BlockHasher:
         self.block_size = block_size
         self._fn = _raw_function(algorithm)
         self.vllm = algorithm in VLLM_HASH_ALGORITHMS
+        # The token ids it hashes (module doc).
+        self.token_range = VLLM_TOKEN_RANGE if self.vllm else KVSHM_TOKEN_RANGE
         if self.vllm:
             self.none_hash = vllm_none_hash(algorithm, seed)
         else:
@@ -208,7 +245,7 @@ class BlockHasher:
 
         `parent` is the hash of block `start_block - 1` (None for block 0);
         `extra` comes from `extra_keys()` (None: no extra keys).
-        Raises `InvalidArgument` for a token id outside [0, 2**32).
+        Raises `InvalidArgument` for a token id outside `token_range`.
         """
         bs = self.block_size
         n_full = len(token_ids) // bs
@@ -227,7 +264,7 @@ class BlockHasher:
                 prev = fn(prev + pack(*token_ids[lo:lo + bs]) + key)
                 out.append(prev)
         except struct.error:
-            raise InvalidArgument("token ids must be integers in [0, 2**32)") from None
+            raise self.token_range.error() from None
         return out
 
     def _hash_vllm(self, token_ids, start_block, n_full, prev, keys) -> list[bytes]:
@@ -235,10 +272,7 @@ class BlockHasher:
         # serializer its algorithm names; the check that tokens are ints in
         # range comes first, so a bad id raises before anything is hashed.
         bs = self.block_size
-        try:
-            array("I", token_ids[start_block * bs:n_full * bs])
-        except (TypeError, OverflowError):
-            raise InvalidArgument("token ids must be integers in [0, 2**32)") from None
+        self.token_range.check(token_ids[start_block * bs:n_full * bs])
         out = []
         if self.algorithm == "vllm-sha256":
             for i in range(start_block, n_full):

@@ -11,18 +11,7 @@ from collections.abc import Iterable, Sequence
 
 from kvshm.core.errors import InvalidArgument
 from kvshm.core.extra_keys import MultiModalFeature, check_mm_features, embeds_rows
-from kvshm.core.hashing import BlockHasher
-
-
-def _checked_tokens(token_ids: Iterable[int]) -> list[int]:
-    """The tokens as a list; raises InvalidArgument unless every one is an
-    integer in [0, 2**32)."""
-    tokens = token_ids if isinstance(token_ids, list) else list(token_ids)
-    try:
-        array("I", tokens)  # C-speed type and range check
-    except (TypeError, OverflowError):
-        raise InvalidArgument("token ids must be integers in [0, 2**32)") from None
-    return tokens
+from kvshm.core.hashing import VLLM_TOKEN_RANGE, BlockHasher
 
 
 class Request:
@@ -33,6 +22,8 @@ class Request:
     `block_hashes`, `lora_name`, `cache_salt`, `mm_features`,
     `prompt_embeds`, `skip_reading_prefix_cache`.
     `hasher` may be None (caching off): then `block_hashes` stays empty.
+    Token ids must be in the hasher's `token_range` (any 64-bit id without
+    one): InvalidArgument says which and why.
 
     `mm_features`: the prompt's multimodal items, (offset, length,
     identifier) each (`MultiModalFeature`), kept sorted by offset.
@@ -50,7 +41,7 @@ class Request:
     __slots__ = ("request_id", "all_token_ids", "num_tokens", "num_computed_tokens",
                  "block_hashes", "lora_name", "cache_salt", "mm_features", "prompt_embeds",
                  "skip_reading_prefix_cache", "num_preemptions", "_hasher", "_extra",
-                 "_parent")
+                 "_parent", "_tokens")
 
     def __init__(
         self,
@@ -64,7 +55,10 @@ class Request:
         prompt_embeds=None,
         skip_reading_prefix_cache: bool = False,
     ) -> None:
-        tokens = None if prompt_token_ids is None else _checked_tokens(list(prompt_token_ids))
+        tokens = None
+        if prompt_token_ids is not None:
+            tokens = list(prompt_token_ids)
+            (VLLM_TOKEN_RANGE if hasher is None else hasher.token_range).check(tokens)
         embeds, row_bytes = None, 0
         if prompt_embeds is not None:
             embeds, row_bytes = embeds_rows(prompt_embeds, None if tokens is None else len(tokens))
@@ -115,6 +109,7 @@ class Request:
         self.skip_reading_prefix_cache = skip_read
         self.num_preemptions = 0
         self._hasher = hasher
+        self._tokens = VLLM_TOKEN_RANGE if hasher is None else hasher.token_range
         self._extra = (None if hasher is None else
                        hasher.extra_keys(lora_name, cache_salt, features, embeds, row_bytes))
         self.block_hashes: list[bytes] = []
@@ -128,10 +123,11 @@ class Request:
                 f"request {self.request_id!r} was made from block hashes: append hashes")
         if token_ids.__class__ is not list:
             token_ids = list(token_ids)
+        allowed = self._tokens
         try:
-            array("I", token_ids)  # _checked_tokens, inline: a decode step's hot path
+            array(allowed.typecode, token_ids)  # allowed.check, inline: a decode step's hot path
         except (TypeError, OverflowError):
-            raise InvalidArgument("token ids must be integers in [0, 2**32)") from None
+            raise allowed.error() from None
         tokens.extend(token_ids)
         self.num_tokens = len(tokens)
         hasher = self._hasher
