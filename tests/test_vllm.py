@@ -434,3 +434,27 @@ def test_vllm_s_plugin_loader_refuses_an_unsupported_release_in_one_line(release
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("kvshm ") and "supports vLLM 0.14.0, not the vLLM 0.32.0" in last
+
+
+def test_the_trace_recorder_s_0_14_traces_replay_on_kvshm(tmp_path):
+    """scripts/record_vllm_traces.py on vLLM 0.14.0 (the release kvshm
+    reproduces): its simulation's traces, one shape of each family, replay
+    on kvshm op for op, so traces it records from another release differ
+    only where that release does."""
+    from kvshm.replay import expand_paths, load_trace, replay_trace
+    families = ["full16-tiny-chat-s1000", "pd-full16-small-oob-*", "eagle-hyb-*-tiny-chat*",
+                "encdec-enc200-small-sys*", "hyb3-full-sw-mamba-tiny-chat*", "mamba16-specblk1-tiny-chat*",
+                "sink32-tiny-chat*", "dcp2-full16-tiny-chat*", "spec-full16-small-sys*"]
+    proc = subprocess.run([str(VLLM_PYTHON), str(REPO / "scripts" / "record_vllm_traces.py"),
+                           str(tmp_path), "--only", *families],
+                          capture_output=True, text=True, timeout=ENGINE_TIMEOUT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    paths = list(expand_paths([tmp_path]))
+    import fnmatch
+    for family in families:
+        assert any(fnmatch.fnmatch(p.name, family + ".jsonl.gz") for p in paths), family
+    for path in paths:
+        cfg, ops = load_trace(path)
+        assert cfg["meta"]["recorded_from"] == "vllm 0.14.0" and cfg["version"] == 1
+        mismatch = replay_trace(cfg, ops)
+        assert mismatch is None, f"{path.name}: {mismatch}"
