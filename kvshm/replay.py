@@ -81,6 +81,8 @@ class TraceTranslator:
             "free": lambda op: p.Free(op["req"], op.get("reason") in _RESCHEDULED),
             "get_block_ids": lambda op: p.GetBlockIds(op["req"]),
             "num_common_prefix_blocks": lambda op: p.NumCommonPrefixBlocks(op["req"]),
+            "new_step_starts": lambda op: p.NewStepStarts(),
+            "estimate_cached_tokens": lambda op: p.EstimateCachedTokens(op["req"]),
             "reset_prefix_cache": lambda op: p.ResetPrefixCache(),
             "evict_blocks": lambda op: p.EvictBlocks(op["block_ids"]),
             "usage": lambda op: p.GetStats(),
@@ -130,8 +132,9 @@ class TraceTranslator:
                                                       else list(new)))
         if cls is p.FreeBlocks:
             return len(want) == 1 and want.get("num_free_blocks") == reply.num_free_blocks
-        if cls is p.ComputedBlocks:
-            return (len(want) == 2
+        if cls is p.ComputedBlocks:   # (a version 2 trace also expects the boundary)
+            return (len(want) == 2 + ("shared_prefix_boundary" in want)
+                    and want.get("shared_prefix_boundary", 0) == reply.shared_prefix_boundary
                     and want.get("num_computed_tokens") == reply.num_computed_tokens
                     and want.get("block_ids") == _lists(reply.block_ids))
         if cls is p.Stats and op["op"] == "check":
@@ -153,8 +156,13 @@ class TraceTranslator:
         if cls is p.Error:
             return {"error": reply.code, "message": reply.message}
         if cls is p.ComputedBlocks:
-            return {"block_ids": _lists(reply.block_ids),
-                    "num_computed_tokens": reply.num_computed_tokens}
+            out = {"block_ids": _lists(reply.block_ids),
+                   "num_computed_tokens": reply.num_computed_tokens}
+            if "shared_prefix_boundary" in (op.get("expect") or {}):
+                out["shared_prefix_boundary"] = reply.shared_prefix_boundary
+            return out
+        if cls is p.CachedTokens:
+            return {"num_tokens": reply.num_tokens}
         if cls is p.FreeBlocks:
             return {"num_free_blocks": reply.num_free_blocks}
         if cls is p.BlockIds:
@@ -176,7 +184,8 @@ def _allocate_slots(op):
         op["req"], op["num_new_tokens"], get("num_new_computed_tokens", 0),
         get("use_computed_blocks", False), get("num_lookahead_tokens", 0),
         get("num_external_computed_tokens", 0), get("delay_cache_blocks", False),
-        get("num_encoder_tokens", 0))
+        get("num_encoder_tokens", 0), get("full_sequence_must_fit", False),
+        get("waiting", False), get("has_scheduled_reqs", True))
 
 
 def _lists(groups) -> list[list[int]]:

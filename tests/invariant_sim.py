@@ -375,7 +375,7 @@ class Sim:
         elif kind == 12 and r is not None:
             tokens, hashes = list(r.all_token_ids), list(r.block_hashes)
             with pytest.raises(InvalidArgument):
-                r.append_token_ids([1, 2, 2**32])
+                r.append_token_ids([1, 2, 2**64])   # outside every hashing's range
             assert (r.all_token_ids, r.block_hashes) == (tokens, hashes)
         if call is None:
             return

@@ -46,7 +46,7 @@ def type_name(info: mi.Type) -> str:
     if isinstance(info, mi.VarTupleType):
         return "array of tables"
     return {mi.IntType: "integer", mi.BoolType: "boolean", mi.StrType: "string",
-            mi.StructType: "table"}[type(info)]
+            mi.FloatType: "float", mi.StructType: "table"}[type(info)]
 
 
 def default_text(value) -> str:

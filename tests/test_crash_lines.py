@@ -41,6 +41,10 @@ CONFIGS = {
     "full": make_config(num_blocks=40, max_num_seqs=8),
     "hybrid": make_config(groups=(FullSpec(4), SlidingWindowSpec(4, 8)), num_blocks=48,
                           max_num_seqs=8),
+    # vLLM 0.32's semantics: freed blocks without a hash go to the head of
+    # the free queue (stamps counting down), admissions pass the gate.
+    "full-0.32": make_config(num_blocks=40, max_num_seqs=8, vllm_version="0.32.0",
+                             watermark=0.05),
 }
 # "lines" (CI): the first event of each distinct line of the script, before
 # and after its frame's first undo entry; "frames": of each such line of
@@ -66,7 +70,9 @@ def _frames() -> list:
         (0, batch([p.Advance("b", 23, [501]), p.AllocateSlots("b", 1),
                    p.CacheBlocks("b", 24)])),
         (0, p.Free("b", preempted=True)),
-        (1, batch([p.AddRequest("d2", tokens(200, 215)), p.AllocateSlots("d2", 15)])),
+        (1, batch([p.AddRequest("d2", tokens(200, 215)), p.NewStepStarts(),
+                   p.AllocateSlots("d2", 15, full_sequence_must_fit=True, waiting=True),
+                   p.EstimateCachedTokens("d2")])),
         (0, batch([p.AddRequest("e", tokens(200, 215)), p.GetComputedBlocks("e")])),
         (0, p.AllocateSlots("a", 1, delay_cache_blocks=True)),
         (0, p.RemoveSkippedBlocks("a", 23)),

@@ -7,7 +7,11 @@ recreates from the segment.
 Semantics (vLLM v1): block 0 is the null block, never allocated, freed or
 cached.  The free queue is an LRU doubly linked list: allocation pops from the
 head, a block whose ref count drops to 0 is appended at the tail, and a
-prefix-cache hit on a free block takes it out of the middle.  Blocks in the
+prefix-cache hit on a free block takes it out of the middle.  Pools of vLLM
+0.32's semantics (`Semantics.lifo_unhashed_free`) put a freed block that is
+not cached at the head instead, to be reused first.  Each block's free
+stamp orders the queue (the head's is the smallest): appended blocks take
+stamps counting up, prepended ones stamps counting down below the head's.  Blocks in the
 free queue keep their hash until they are reused (evicted on allocation).
 The map does not deduplicate: several blocks may be cached under one hash,
 and lookups return the earliest cached one.
@@ -91,6 +95,9 @@ class BlockPool:
         self.reader = 0
         self.pending: dict[int, int] = {}
         self.num_dropped_pending = 0
+        # Where freed blocks go (module doc): all to the tail, or those
+        # without a hash to the head.
+        self._lifo_unhashed = cfg.semantics.lifo_unhashed_free
         # How often a cached block lost its hash in this process (evicted,
         # dropped pending, or reset): while it stays the same, every hit a
         # lookup found is still cached under the hash it was found by.
@@ -102,10 +109,12 @@ class BlockPool:
             self.stats = [segment.get(f) for f in ("queries", "hits", "query_tokens",
                                                     "hit_tokens")]
             self._next_free_stamp = max(self._free_stamp, default=0) + 1
+            self._front_free_stamp = min(min(self._free_stamp, default=0), 0)
             self._next_cache_stamp = max(self._cache_stamp, default=0) + 1
             self.rebuild()
         else:
             self._next_free_stamp = 1
+            self._front_free_stamp = 0     # never-used blocks: stamp 0, in id order
             self._next_cache_stamp = 1
             # Block 0 becomes the null block, then each sink group takes its
             # blocks from the head of the queue, in group order.
@@ -186,6 +195,24 @@ class BlockPool:
         self._next_free_stamp = t
         self.num_free_blocks += len(blocks)
 
+    def _prepend_n(self, blocks: list[int]) -> None:
+        # blocks[0] becomes the head: the next block allocated.
+        nxt, prv, stamp = self._next, self._prev, self._free_stamp
+        s = self._sentinel
+        first = s + nxt[s]
+        t = self._front_free_stamp - len(blocks)
+        self._front_free_stamp = t
+        last = s
+        for b in blocks:
+            prv[b] = last - b
+            nxt[last] = b - last
+            stamp[b] = t
+            t += 1
+            last = b
+        nxt[last] = first - last
+        prv[first] = last - first
+        self.num_free_blocks += len(blocks)
+
     def free_queue(self, limit: int | None = None) -> list[int]:
         """Block ids of the free queue in eviction order (next to go first)."""
         nxt = self._next
@@ -228,7 +255,9 @@ class BlockPool:
 
     def free_blocks(self, ordered_blocks: Iterable[int]) -> None:
         """Drop one reference on each block; blocks reaching 0 join the tail of
-        the free queue in the given order (the first one is evicted first)."""
+        the free queue in the given order (the first one is evicted first),
+        or, with `lifo_unhashed_free`, those not cached (all with caching
+        off) the head, the first of them becoming the head."""
         ref = self.ref_cnt
         freed = []
         for b in ordered_blocks:
@@ -242,7 +271,19 @@ class BlockPool:
             if self.pending:
                 for b in freed:
                     self.drop_pending(b)
-            self._append_n(freed)
+            if not self._lifo_unhashed:
+                self._append_n(freed)
+                return
+            if self.enable_caching:
+                flags = self._flags
+                front = [b for b in freed if not flags[b] & FLAG_CACHED]
+                if front:
+                    self._prepend_n(front)
+                    freed = [b for b in freed if flags[b] & FLAG_CACHED]
+                if freed:
+                    self._append_n(freed)
+            else:
+                self._prepend_n(freed)
 
     # -- prefix cache ------------------------------------------------------
     def get_cached_block(self, block_hash: bytes, group_ids: Sequence[int]) -> list[int] | None:

@@ -15,6 +15,7 @@ from kvshm.core.block_pool import BlockPool
 from kvshm.core.attention_managers import CrossAttentionManager, SingleTypeManager, make_manager
 from kvshm.core.request import Request
 from kvshm.core.specs import FULL_ATTENTION_TYPES, PoolConfig, attention_types
+from kvshm.core.state import FLAG_CACHED
 from kvshm.core.table import RequestTable
 
 BlockIds = tuple[list[int], ...]
@@ -132,6 +133,21 @@ class GroupLogic:
 
     def get_num_common_prefix_blocks(self, request_id: str) -> list[int]:
         return [m.get_num_common_prefix_blocks(request_id) for m in self.managers]
+
+    def estimate_cached_tokens(self, request_id: str) -> int:
+        """Per prefix-cached group (not cross-attention) the end of the last
+        cached block the request holds, the least over groups; 0 if none."""
+        flags = self.pool.segment.flags
+        least = None
+        for m, cross in zip(self.managers, self.cross):
+            if cross:
+                continue
+            end = 0
+            for i, b in enumerate(m.req_to_blocks.get(request_id, ())):
+                if b and flags[b] & FLAG_CACHED:
+                    end = (i + 1) * m.block_size
+            least = end if least is None or end < least else least
+        return least or 0
 
     def get_blocks(self, request_id: str) -> BlockIds:
         return tuple(list(m.req_to_blocks.get(request_id) or ()) for m in self.managers)

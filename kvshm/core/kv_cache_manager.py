@@ -15,6 +15,7 @@ import os
 import time
 from collections.abc import Iterable
 
+from kvshm.core.adoption import adopt_indexes
 from kvshm.core.block_pool import BlockPool
 from kvshm.core.errors import InvalidArgument, RequestTooLong, StaleHits
 from kvshm.core.events import Event, EventLog
@@ -22,7 +23,7 @@ from kvshm.core.group_logic import BlockIds, any_blocks, make_group_logic
 from kvshm.core.hashing import BlockHasher
 from kvshm.core.recovery import RepairReport, repair
 from kvshm.core.request import Request
-from kvshm.core.state import FLAG_PENDING, SEQ_WORD, SegmentState
+from kvshm.core.state import SEQ_WORD, SegmentState
 from kvshm.core.table import RequestTable
 
 
@@ -74,8 +75,7 @@ class KVCacheManagerCore:
             self.table = RequestTable(segment)
             self.groups = make_group_logic(config, self.block_pool, self.table)
             if adopt:
-                self._adopt_table()
-                self._adopt_pending()
+                adopt_indexes(segment, self.block_pool, self.table, self.groups.managers)
                 # This process is the pool's writer from now on.
                 segment.set("generation", segment.get("generation") + 1)
                 segment.set("coordinator_pid", os.getpid())
@@ -92,6 +92,14 @@ class KVCacheManagerCore:
         self.free_floor = 0
         self.refused_by_floor = False
         self.num_in_flight_tokens = 0
+        # What the pool's vLLM release does where releases differ
+        # (core/semantics.py), and its watermark in blocks.
+        self.semantics = sem = config.semantics
+        self._watermark_blocks = int(config.watermark * config.num_blocks)
+        # 0.32: the shared-prefix boundary of the last lookup (0 but where a
+        # hybrid pool's full-attention group cached past the hit).
+        self.shared_prefix_boundary = 0
+        self._gate = sem.admission_gate
         self._frame = False
         self.empty_blocks: BlockIds = tuple(() for _ in config.groups)
         self._widths = self.table.widths
@@ -129,49 +137,6 @@ class KVCacheManagerCore:
     def make_hasher(self) -> BlockHasher | None:
         """The block hasher requests of this pool must use (None: caching off)."""
         return self.config.block_hasher()
-
-    def _adopt_table(self) -> None:
-        """Rebuild the request index and per-group lists from the segment."""
-        table = self.table
-        table.adopt()
-        for rid, slot in table.slot_of.items():
-            for g, m in enumerate(self.groups.managers):
-                blocks, cached = table.read_row(slot, g)
-                if blocks is not None:
-                    m.req_to_blocks[rid] = blocks
-                if cached >= 0:
-                    m.num_cached_block[rid] = cached
-
-    def _adopt_pending(self) -> None:
-        """Rebuild the readiness index from the segment: a pending block's
-        writer is the request in its `writer` slot, which holds it in the
-        cached part of its row (core/state.py), and the writer's session
-        is that request's.  A pending block whose writer does not hold it so
-        (its writer's frame was cut off) is uncached, in block order."""
-        pool, table, managers = self.block_pool, self.table, self.groups.managers
-        seg = self.segment
-        rid_of = {slot: rid for rid, slot in table.slot_of.items()}
-        orphans = []
-        found: dict[tuple[int, str], list[int]] = {}
-        for b in range(self.config.num_blocks):
-            if not seg.flags[b] & FLAG_PENDING:
-                continue
-            slot, g = seg.writer[b], seg.hash_group[b]
-            rid = rid_of.get(slot)
-            i = -1
-            if rid is not None and g < len(managers):
-                m = managers[g]
-                cached = m.req_to_blocks.get(rid, [])[:m.num_cached_block.get(rid, 0)]
-                i = cached.index(b) if b in cached else -1
-            if i < 0:
-                orphans.append(b)
-                continue
-            pool.pending[b] = table.owner(slot)
-            found.setdefault((g, rid), []).append(i)
-        for (g, rid), idx in found.items():
-            managers[g].pending_of[rid] = sorted(idx)
-        for b in orphans:
-            pool.drop_pending(b)
 
     # -- lifecycle ---------------------------------------------------------------
     def close(self) -> None:
@@ -223,9 +188,10 @@ class KVCacheManagerCore:
                                                        request.num_tokens - 1)
         if self.block_pool.pending:
             self.num_in_flight_tokens = self.groups.in_flight_tokens
-        self._begin()
-        self.block_pool.record_lookup(request.num_tokens, n)
-        self._end()
+        if not self.semantics.stats_at_admission:
+            self._begin()
+            self.block_pool.record_lookup(request.num_tokens, n)
+            self._end()
         if not any_blocks(blocks):
             return self.empty_blocks, n
         hits = Hits(blocks)
@@ -250,13 +216,26 @@ class KVCacheManagerCore:
         hits.uncached = self.block_pool.uncached
         return hits
 
+    def estimate_cached_tokens(self, request_id: str) -> int:
+        """Tokens the request's cached blocks cover: per prefix-cached group
+        the end of its last cached block, the least over groups (0 when it
+        holds none).  vLLM 0.32 asks it at a request's first output."""
+        return self.groups.estimate_cached_tokens(request_id)
+
+    def new_step_starts(self) -> None:
+        """A scheduler step begins (vLLM 0.32's hook; nothing to do for the
+        attention types kvshm's 0.32 pools take)."""
+
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
         """Every block the request holds, per group (nulls included)."""
         return self.groups.get_blocks(request_id)
 
     def get_num_common_prefix_blocks(self, request_id: str) -> list[int]:
         """Per group, how many leading blocks of the request every request
-        with an allocation shares."""
+        with an allocation shares (zeros where the release has no cascade
+        attention, `Semantics.common_prefix_blocks`)."""
+        if not self.semantics.common_prefix_blocks:
+            return [0] * self.num_kv_cache_groups
         self.table.check_room(request_id)
         self._begin()  # the probe may create an (empty) entry
         try:
@@ -271,12 +250,20 @@ class KVCacheManagerCore:
                        num_lookahead_tokens: int = 0,
                        num_external_computed_tokens: int = 0,
                        delay_cache_blocks: bool = False,
-                       num_encoder_tokens: int = 0) -> BlockIds | None:
+                       num_encoder_tokens: int = 0, *,
+                       full_sequence_must_fit: bool = False, waiting: bool = False,
+                       has_scheduled_reqs: bool = True) -> BlockIds | None:
         """Give the request slots for `num_new_tokens` more tokens (plus
         lookahead), adopting `new_computed_blocks` (from
         `get_computed_blocks`).  Returns the newly allocated block ids per
         group, or None when the pool has too few free blocks.  Blocks out of
         the request's attention window are freed even when it fails.
+
+        Where the release has an admission gate (vLLM 0.32): `waiting` says
+        the request is being admitted from the waiting queue (new or
+        preempted); with `full_sequence_must_fit` it is admitted only if
+        blocks for all its tokens are free; while `has_scheduled_reqs`, a
+        waiting request must also leave the pool's watermark free.
 
         Raises InvalidArgument (negative counts, no tokens, hits for a running
         request, bad hit lists), RequestTooLong, RequestTableFull; then
@@ -285,6 +272,10 @@ class KVCacheManagerCore:
         rid = request.request_id
         m = self._plain
         settled_checked = False
+        watermark = (self._watermark_blocks if waiting and has_scheduled_reqs else 0)
+        gate = self._gate and (full_sequence_must_fit or watermark > 0)
+        if gate:
+            m = None    # the shortest paths below know no gate
         if (m is not None and new_computed_blocks is None and num_new_tokens > 0
                 and num_lookahead_tokens >= 0
                 and not num_new_computed_tokens | num_external_computed_tokens
@@ -311,7 +302,8 @@ class KVCacheManagerCore:
                 f"num_lookahead_tokens={num_lookahead_tokens}, "
                 f"num_external_computed_tokens={num_external_computed_tokens}, "
                 f"num_encoder_tokens={num_encoder_tokens})")
-        if num_new_tokens == 0 and num_external_computed_tokens == 0:
+        if num_new_tokens == 0 and num_external_computed_tokens == 0 and not (
+                num_new_computed_tokens and self.semantics.allocates_without_new_tokens):
             raise InvalidArgument(
                 "num_new_tokens must be > 0 when there are no external computed tokens")
         hits = self.empty_blocks
@@ -343,7 +335,8 @@ class KVCacheManagerCore:
 
         groups = self.groups
         pool = self.block_pool
-        if not adopts and not settled_checked and self.free_floor <= pool.num_free_blocks:
+        if (not adopts and not settled_checked and not gate
+                and self.free_floor <= pool.num_free_blocks):
             # Nothing to change (a decode step inside its last block, mostly):
             # no frame, no mutation, the answer allocate_new_blocks would give.
             n = total_computed + num_new_tokens
@@ -361,8 +354,17 @@ class KVCacheManagerCore:
         if own_frame:
             self.journal.begin(pool.next_cache_stamp)
         try:
+            if gate and full_sequence_must_fit:
+                # Blocks for the whole sequence, checked before any window
+                # moves (as vLLM 0.32).
+                full = num_tokens if num_tokens < max_len else max_len
+                need = watermark + groups.get_num_blocks_to_allocate(
+                    rid, full, hits, num_encoder_tokens, total_computed)
+                if need > pool.num_free_blocks - self.free_floor:
+                    self.refused_by_floor = need <= pool.num_free_blocks
+                    return None
             groups.remove_skipped_blocks(rid, total_computed)
-            need = groups.get_num_blocks_to_allocate(
+            need = watermark + groups.get_num_blocks_to_allocate(
                 rid, num_need_slot, hits, num_encoder_tokens,
                 num_local + num_external_computed_tokens)
             if need > pool.num_free_blocks - self.free_floor:
@@ -372,6 +374,11 @@ class KVCacheManagerCore:
                 groups.allocate_new_computed_blocks(rid, hits, num_local,
                                                     num_external_computed_tokens)
             new_blocks = groups.allocate_new_blocks(rid, num_need_slot, num_encoder_tokens)
+            if (waiting and self.semantics.stats_at_admission and self.enable_caching
+                    and not request.num_computed_tokens
+                    and not request.skip_reading_prefix_cache):
+                # The release counts a lookup when its request is admitted.
+                pool.record_lookup(num_tokens, num_new_computed_tokens)
             if caching:
                 n = total_computed + num_new_tokens
                 groups.cache_blocks(request, n if n < num_tokens else num_tokens)

@@ -33,7 +33,8 @@ GLOBALS = ("frames", "sessions_open", "sessions_total", "sessions_resumed",
 # The op tags of the wire protocol (kvshm/ops/protocol.py), in a fixed
 # order: the index is part of the layout.
 OP_NAMES = ("add", "advance", "hits", "alloc", "admit", "cache", "free", "skip", "ids",
-            "common", "reset", "evict", "stats", "take_events", "corrupt", "restore_hits")
+            "common", "reset", "evict", "stats", "take_events", "corrupt", "restore_hits",
+            "step", "cached_tokens")
 # Every code a coordinator replies with; a code not listed counts as "other".
 ERROR_CODES = ("BAD_CONFIG", "BAD_ARGUMENT", "BAD_MM_INPUT", "UNKNOWN_REQUEST",
                "DUPLICATE_REQUEST", "STALE_HITS", "TABLE_FULL", "REQUEST_TOO_LONG",

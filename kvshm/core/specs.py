@@ -20,6 +20,7 @@ import msgspec
 import msgspec.inspect
 
 from kvshm.core.errors import ConfigError
+from kvshm.core.semantics import DEFAULT_VLLM_VERSION, VLLM_VERSIONS, Semantics, semantics
 from kvshm.core.hashing import (
     DEFAULT_HASH_ALGORITHM,
     DEFAULT_HASH_SEED,
@@ -151,6 +152,13 @@ class PoolConfig(msgspec.Struct, frozen=True, kw_only=True):
     hash_algorithm: str = DEFAULT_HASH_ALGORITHM
     hash_seed: str = DEFAULT_HASH_SEED
     kv: KVShape | None = None   # set: the coordinator also creates a KV data arena
+    vllm_version: str = DEFAULT_VLLM_VERSION   # whose allocation semantics (core/semantics.py)
+    watermark: float = 0.0   # 0.32: share of num_blocks kept free when admitting
+
+    @property
+    def semantics(self) -> Semantics:
+        """The allocation semantics of the pool's vLLM release."""
+        return semantics(self.vllm_version)
 
     # -- derived values ------------------------------------------------------
     def effective_block_size(self, group: int) -> int:
@@ -263,6 +271,15 @@ class PoolConfig(msgspec.Struct, frozen=True, kw_only=True):
         _positive("max_num_seqs", self.max_num_seqs)
         if self.max_encoder_len is not None:
             _positive("max_encoder_len", self.max_encoder_len)
+        if self.vllm_version not in VLLM_VERSIONS:
+            raise ConfigError("vllm_version", f"must be one of {', '.join(VLLM_VERSIONS)}: the "
+                              f"vLLM releases whose semantics kvshm reproduces "
+                              f"(got {self.vllm_version!r})")
+        if not 0.0 <= self.watermark < 1.0:
+            raise ConfigError("watermark", f"must be in [0, 1) (got {self.watermark})")
+        if self.watermark and not self.semantics.admission_gate:
+            raise ConfigError("watermark", f"vLLM {self.vllm_version} has no watermark "
+                              "(vllm_version = \"0.32.0\" has)")
         if self.dcp_world_size not in (1, 2, 4, 8):
             raise ConfigError("dcp_world_size", "must be 1, 2, 4 or 8")
         if self.hash_algorithm not in HASH_ALGORITHMS:
@@ -294,6 +311,11 @@ class PoolConfig(msgspec.Struct, frozen=True, kw_only=True):
 
     def _validate_group(self, i: int, g: GroupSpec) -> None:
         where = f"groups[{i}]"
+        sem = self.semantics
+        kind = g.__struct_config__.tag
+        if kind not in sem.group_types:
+            raise ConfigError(f"{where}.type", f"a pool of vLLM {sem.version}'s semantics takes "
+                              f"no {kind} group: {sem.missing_types[kind]}")
         _positive(f"{where}.block_size", g.block_size)
         if isinstance(g, SlidingWindowSpec):
             _positive(f"{where}.sliding_window", g.sliding_window)

@@ -66,7 +66,7 @@ PREEMPTIONS_WORD = global_word("preemptions")
 # The ops that name a request (its id is scoped to the tenant).
 _REQ_OPS = frozenset((p.AddRequest, p.Advance, p.GetComputedBlocks, p.AllocateSlots, p.Admit,
                       p.CacheBlocks, p.Free, p.RemoveSkippedBlocks, p.GetBlockIds,
-                      p.NumCommonPrefixBlocks, p.ReportCorrupt))
+                      p.NumCommonPrefixBlocks, p.ReportCorrupt, p.EstimateCachedTokens))
 _ALLOC_COUNTS = ("num_new_tokens", "num_new_computed_tokens", "num_lookahead_tokens",
                  "num_external_computed_tokens", "num_encoder_tokens")
 
@@ -109,7 +109,8 @@ class OpExecutor:
             p.NumCommonPrefixBlocks: self._common, p.ResetPrefixCache: self._reset,
             p.EvictBlocks: self._evict, p.GetStats: self._stats,
             p.TakeEvents: self._take_events, p.ReportCorrupt: self._corrupt,
-            p.RestoreHits: self._restore_hits,
+            p.RestoreHits: self._restore_hits, p.NewStepStarts: self._step,
+            p.EstimateCachedTokens: self._cached_tokens,
         }
         self._op_base = {cls: op_base(cls.__struct_config__.tag) for cls in self._dispatch}
         self.lifecycle = SessionLifecycle(self)
@@ -370,7 +371,7 @@ class OpExecutor:
         mgr = self.mgr
         blocks, n = mgr.get_computed_blocks(st.request)
         st.hits = blocks
-        return p.ComputedBlocks(blocks, n, mgr.num_in_flight_tokens)
+        return p.ComputedBlocks(blocks, n, mgr.num_in_flight_tokens, mgr.shared_prefix_boundary)
 
     def _alloc(self, owner: Owner, op: p.AllocateSlots):
         st = self.requests.get(op.req)
@@ -388,7 +389,9 @@ class OpExecutor:
         res = mgr.allocate_slots(
             st.request, op.num_new_tokens, op.num_new_computed_tokens,
             st.hits if op.use_computed_blocks else None, op.num_lookahead_tokens,
-            op.num_external_computed_tokens, op.delay_cache_blocks, op.num_encoder_tokens)
+            op.num_external_computed_tokens, op.delay_cache_blocks, op.num_encoder_tokens,
+            full_sequence_must_fit=op.full_sequence_must_fit, waiting=op.waiting,
+            has_scheduled_reqs=op.has_scheduled_reqs)
         if res is None and mgr.refused_by_floor:
             self.tenants.refused(owner.slot)
         if not st.claimed:
@@ -462,6 +465,14 @@ class OpExecutor:
         counts = self.mgr.get_num_common_prefix_blocks(op.req)
         self._claim(st, op.req)
         return p.CommonPrefix(counts)
+
+    def _step(self, owner: Owner, op: p.NewStepStarts):
+        self.mgr.new_step_starts()
+        return DONE
+
+    def _cached_tokens(self, owner: Owner, op: p.EstimateCachedTokens):
+        self._owned(owner, op.req)
+        return p.CachedTokens(self.mgr.estimate_cached_tokens(op.req))
 
     def _corrupt(self, owner: Owner, op: p.ReportCorrupt):
         self._owned(owner, op.req)

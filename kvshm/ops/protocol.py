@@ -17,7 +17,7 @@ import msgspec
 
 from kvshm.core.extra_keys import MultiModalFeature, check_mm_features, embeds_rows
 
-PROTOCOL_VERSION = 9
+PROTOCOL_VERSION = 10
 MAX_BATCH_OPS = 4096
 LENGTH_BYTES = 4                # a frame's length prefix
 
@@ -146,6 +146,12 @@ class AllocateSlots(_Op, tag="alloc"):
     num_external_computed_tokens: int = 0
     delay_cache_blocks: bool = False
     num_encoder_tokens: int = 0
+    # vLLM 0.32's admission (pools of its semantics; core/semantics.py): the
+    # request comes from the waiting queue; admit it only if its whole
+    # sequence fits; whether other requests run (the watermark applies).
+    full_sequence_must_fit: bool = False
+    waiting: bool = False
+    has_scheduled_reqs: bool = True
 
 
 class Admit(_Op, tag="admit"):
@@ -186,6 +192,17 @@ class GetBlockIds(_Op, tag="ids"):
 
 
 class NumCommonPrefixBlocks(_Op, tag="common"):
+    req: str
+
+
+class NewStepStarts(_Op, tag="step"):
+    """A scheduler step begins (vLLM 0.32 says so to its manager)."""
+
+
+class EstimateCachedTokens(_Op, tag="cached_tokens"):
+    """Tokens request `req`'s cached blocks cover (`CachedTokens`), as vLLM
+    0.32 asks at a request's first output."""
+
     req: str
 
 
@@ -233,7 +250,8 @@ class RestoreHits(_Op, tag="restore_hits"):
 
 OPS = (AddRequest, Advance, GetComputedBlocks, AllocateSlots, Admit, CacheBlocks, Free,
        RemoveSkippedBlocks, GetBlockIds, NumCommonPrefixBlocks, ResetPrefixCache,
-       EvictBlocks, GetStats, TakeEvents, ReportCorrupt, RestoreHits)
+       EvictBlocks, GetStats, TakeEvents, ReportCorrupt, RestoreHits, NewStepStarts,
+       EstimateCachedTokens)
 Op = Union[OPS]
 
 
@@ -260,6 +278,7 @@ class ComputedBlocks(_Op, tag="hits"):
     block_ids: list[list[int]]
     num_computed_tokens: int
     num_in_flight_tokens: int = 0
+    shared_prefix_boundary: int = 0   # vLLM 0.32's third value (0 but on hybrid pools)
 
 
 class Allocated(_Op, tag="alloc"):
@@ -292,6 +311,10 @@ class BlockIds(_Op, tag="ids"):
 
 class CommonPrefix(_Op, tag="common"):
     num_blocks: list[int]
+
+
+class CachedTokens(_Op, tag="cached_tokens"):
+    num_tokens: int
 
 
 class ResetResult(_Op, tag="reset"):
@@ -344,7 +367,7 @@ class HitsRestored(_Op, tag="restore_hits"):
 
 
 REPLIES = (Done, ComputedBlocks, Allocated, Admitted, FreeBlocks, BlockIds, CommonPrefix,
-           ResetResult, Stats, Events, Error, Uncached, HitsRestored)
+           ResetResult, Stats, Events, Error, Uncached, HitsRestored, CachedTokens)
 Reply = Union[REPLIES]
 
 

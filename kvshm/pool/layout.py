@@ -60,7 +60,7 @@ MAGIC = b"KVSHMPL\0"
 # (magic, layout version, header size, config fingerprint, num_blocks,
 # creator pid at the same offsets), so `segment_info` reads both kinds.
 ARENA_MAGIC = b"KVSHMKV\0"
-LAYOUT_VERSION = 7
+LAYOUT_VERSION = 8
 # The pool header's fixed fields: name -> (offset, struct format).  The KV
 # arena writes the leading ones (up to coordinator_pid) at the same offsets.
 # The words the allocator keeps (the mutation counter, the counters, the

@@ -1,0 +1,84 @@
+"""Which vLLM release's allocation semantics a pool reproduces.
+
+A pool names its release (`PoolConfig.vllm_version`, "0.14.0" unless
+told), and the core reproduces that release's KV-cache manager.  Where two
+releases differ, the difference is one attribute of the release's
+`Semantics` here, read by the one place in the core that acts on it
+(named per attribute); nothing else in the core asks which release a pool
+is.  docs/vllm.md ("vLLM 0.32 against 0.14") lists what differs and why.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DEFAULT_VLLM_VERSION = "0.14.0"
+
+
+@dataclass(frozen=True)
+class Semantics:
+    """One release's answers where releases differ.
+
+    version: the release ("0.14.0").
+    lifo_unhashed_free: a freed block without a hash (every freed block,
+        with caching off) goes to the head of the free queue, to be reused
+        first; hashed ones join the tail as before (`BlockPool.free_blocks`).
+        0.14 appends every freed block to the tail.
+    admission_gate: `allocate_slots` honours `full_sequence_must_fit` (a
+        waiting request is admitted only if blocks for its whole sequence
+        are free) and the pool's `watermark` (blocks kept free when a
+        waiting request is admitted while others run)
+        (`KVCacheManagerCore.allocate_slots`).
+    allocates_without_new_tokens: `allocate_slots` takes 0 new tokens when
+        the call adopts computed tokens (hits or external ones); 0.14 wants
+        new or external tokens.
+    stats_at_admission: prefix-cache queries and hits are counted when a
+        waiting request that looked up is admitted (its allocation
+        succeeded), with the hits it used; 0.14 counts every lookup
+        (`KVCacheManagerCore.get_computed_blocks` / `allocate_slots`).
+    common_prefix_blocks: `get_num_common_prefix_blocks` counts the blocks
+        every running request shares (cascade attention); 0.32 removed
+        cascade attention and answers zeros.
+    group_types: the KV-cache group types (`type` of a group spec) a pool
+        of the release may have: those whose managers kvshm reproduces op
+        for op for it, per its recorded conformance set
+        (`PoolConfig` refuses the others, with `missing_types`' reason).
+    missing_types: why a type is not in `group_types`.
+    """
+
+    version: str
+    lifo_unhashed_free: bool
+    admission_gate: bool
+    allocates_without_new_tokens: bool
+    stats_at_admission: bool
+    common_prefix_blocks: bool
+    group_types: frozenset[str]
+    missing_types: dict[str, str]
+
+
+ALL_TYPES = frozenset(("full", "mla", "sink_full", "sliding_window", "chunked_local", "mamba",
+                       "cross_attention"))
+RELEASES: dict[str, Semantics] = {
+    "0.14.0": Semantics("0.14.0", lifo_unhashed_free=False, admission_gate=False,
+                        allocates_without_new_tokens=False, stats_at_admission=False,
+                        common_prefix_blocks=True, group_types=ALL_TYPES, missing_types={}),
+    "0.32.0": Semantics(
+        "0.32.0", lifo_unhashed_free=True, admission_gate=True,
+        allocates_without_new_tokens=True, stats_at_admission=True,
+        common_prefix_blocks=False,
+        group_types=frozenset(("full", "mla", "chunked_local", "cross_attention")),
+        missing_types={
+            "sink_full": "vLLM 0.32.0 cannot build its own sink-attention manager (its "
+                         "constructor does not take what its coordinator passes), so no "
+                         "0.32 engine runs such a model",
+            "sliding_window": "kvshm does not reproduce 0.32's sliding-window caching yet "
+                              "(it caches only the blocks a replay can reach)",
+            "mamba": "kvshm does not reproduce 0.32's Mamba manager yet",
+        }),
+}
+VLLM_VERSIONS = tuple(RELEASES)
+
+
+def semantics(version: str) -> Semantics:
+    """The semantics of release `version` (one of `VLLM_VERSIONS`)."""
+    return RELEASES[version]
