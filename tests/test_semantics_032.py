@@ -11,7 +11,10 @@ import pytest
 from kvshm import ConfigError, InvalidArgument, KVCacheManager, Request
 from kvshm.core.specs import (ChunkedLocalSpec, CrossAttentionSpec, FullSpec, MambaSpec,
                               SinkFullSpec, SlidingWindowSpec)
+from kvshm.ops.errors import HandshakeError
 from kvshm.pool.lifecycle import adopt_pool, create_pool
+from kvshm.service.process import CoordinatorProcess
+from kvshm.service.sync_client import connect_sync
 
 from helpers import assert_clean, make_config, tokens
 
@@ -213,3 +216,24 @@ def test_0_32_takes_full_mla_chunked_local_and_cross_attention_groups():
     make_config(vllm_version="0.32.0", groups=(FullSpec(4), ChunkedLocalSpec(4, 8)))
     make_config(vllm_version="0.32.0", groups=(FullSpec(4), CrossAttentionSpec(4)),
                 enable_caching=False)
+
+
+# -- the handshake ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("pool_release,engine", [("0.14.0", "0.32.0"), ("0.32.0", "0.14.0")])
+def test_an_engine_of_another_release_is_refused_at_the_handshake(pool_name, pool_release,
+                                                                  engine):
+    """A session that names its vLLM release (the plugin does) is refused by
+    a pool of another release's semantics, both named; one of the pool's
+    own, or one that names none (kvshm's own clients), is let in."""
+    cfg = make_config(vllm_version=pool_release, num_blocks=16)
+    with CoordinatorProcess(cfg, name=pool_name) as proc:
+        with pytest.raises(HandshakeError, match=(
+                rf"this pool reproduces vLLM {pool_release}'s allocation semantics, not vLLM "
+                rf"{engine}'s, the engine's \(serve a pool with vllm_version = \"{engine}\"")):
+            connect_sync(proc.socket, vllm_version=engine)
+        for release in (pool_release, ""):
+            with connect_sync(proc.socket, vllm_version=release) as c:
+                assert c.config.vllm_version == pool_release
+                assert c.stats().num_sessions == 1

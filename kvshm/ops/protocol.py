@@ -48,6 +48,7 @@ class Hello(_Op, tag="hello"):
     resume_token: str = ""  # take back a session after a coordinator restart
     tenant_token: str = ""  # proves `tenant` where it is declared token:FILE
     resume_from: int = 0    # ... and the replies of frames from this seq on, if applied
+    vllm_version: str = ""  # a vLLM engine's release: a pool of another's semantics refuses it
 
 
 class Welcome(_Op, tag="welcome"):

@@ -288,7 +288,7 @@ async def connect(path: str | os.PathLike | None = None, *, name: str | None = N
                   hash_algorithm: str | None = DEFAULT_HASH_ALGORITHM,
                   hash_seed: str = DEFAULT_HASH_SEED, timeout: float = 10.0,
                   reconnect: "Reconnect | None" = None, resume: bool = True,
-                  tenant_token: str | None = None) -> Client:
+                  tenant_token: str | None = None, vllm_version: str = "") -> Client:
     """Open a session with the coordinator listening at `path`, or with pool
     `name`'s (at its default socket, where `kvshm serve --name NAME` listens
     without `--socket`): give one of them.  `admin=True` reads the coordinator's generated admin
@@ -300,7 +300,9 @@ async def connect(path: str | os.PathLike | None = None, *, name: str | None = N
     the session's tenant; where the coordinator declares tenants (`kvshm
     serve --tenant`), the claim must be proven: by this process's uid or
     group, or by `tenant_token`, the content of the tenant's token file
-    (Forbidden otherwise).
+    (Forbidden otherwise).  A vLLM engine's session names its release
+    (`vllm_version`): a pool reproducing another's refuses it
+    (HandshakeError, naming both).
 
     With `resume` (the default) the client rides through coordinator
     restarts: it reconnects with bounded exponential backoff (`reconnect`,
@@ -316,7 +318,8 @@ async def connect(path: str | os.PathLike | None = None, *, name: str | None = N
     path = socket_path(path, name)
     hello = make_hello(path, tenant=tenant, node=node, token=token, admin=admin,
                        admin_token=admin_token, hash_algorithm=hash_algorithm,
-                       hash_seed=hash_seed, tenant_token=tenant_token)
+                       hash_seed=hash_seed, tenant_token=tenant_token,
+                       vllm_version=vllm_version)
     wire, welcome = await open_wire(path, hello, timeout)
     return Client(path, hello, wire, welcome,
                   (reconnect or Reconnect()) if resume else None)

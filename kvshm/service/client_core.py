@@ -243,6 +243,10 @@ def _uncached(reply) -> list[int]:
     return reply.block_ids
 
 
+def _num_tokens(reply) -> int:
+    return reply.num_tokens
+
+
 class Operations:
     """One method per operation of the protocol, the same in both clients
     (awaitable on `Client`, blocking on `SyncClient`).  Each raises the
@@ -289,20 +293,27 @@ class Operations:
     def get_computed_blocks(self, req: str, timeout: float | None = None
                             ) -> tuple[list[list[int]], int]:
         """The request's prefix-cache hits: block ids per group, and the
-        tokens they hold."""
+        tokens they hold (`call(GetComputedBlocks(req))` gives the whole
+        reply, with a 0.32 pool's `shared_prefix_boundary`)."""
         return self._op(p.GetComputedBlocks(req), timeout, _hits)
 
     def allocate_slots(self, req: str, num_new_tokens: int, num_new_computed_tokens: int = 0,
                        *, use_computed_blocks: bool = False, num_lookahead_tokens: int = 0,
                        num_external_computed_tokens: int = 0, delay_cache_blocks: bool = False,
-                       num_encoder_tokens: int = 0,
+                       num_encoder_tokens: int = 0, full_sequence_must_fit: bool = False,
+                       waiting: bool = False, has_scheduled_reqs: bool = True,
                        timeout: float | None = None) -> list[list[int]] | None:
         """New block ids per group, or None if the pool is short of blocks.
-        `use_computed_blocks` passes this request's last lookup's hits."""
+        `use_computed_blocks` passes this request's last lookup's hits.  On a
+        pool of vLLM 0.32's semantics, an admission from the waiting queue
+        says `waiting` (and with `full_sequence_must_fit` is refused unless
+        all its tokens fit; `has_scheduled_reqs`: others run, so the pool's
+        watermark applies); other pools ignore the three."""
         return self._op(p.AllocateSlots(
             req, num_new_tokens, num_new_computed_tokens, use_computed_blocks,
             num_lookahead_tokens, num_external_computed_tokens, delay_cache_blocks,
-            num_encoder_tokens), timeout, _new_block_ids)
+            num_encoder_tokens, full_sequence_must_fit, waiting, has_scheduled_reqs),
+            timeout, _new_block_ids)
 
     def admit(self, req: str, max_new_tokens: int, *, num_lookahead_tokens: int = 0,
               delay_cache_blocks: bool = False, wait_in_flight: int = 0,
@@ -336,6 +347,15 @@ class Operations:
 
     def get_num_common_prefix_blocks(self, req: str, timeout: float | None = None) -> list[int]:
         return self._op(p.NumCommonPrefixBlocks(req), timeout, _num_blocks)
+
+    def new_step_starts(self, timeout: float | None = None) -> None:
+        """A scheduler step begins (vLLM 0.32's hook)."""
+        return self._op(p.NewStepStarts(), timeout, _nothing)
+
+    def estimate_cached_tokens(self, req: str, timeout: float | None = None) -> int:
+        """Tokens the request's cached blocks cover (vLLM 0.32 asks it at a
+        request's first output)."""
+        return self._op(p.EstimateCachedTokens(req), timeout, _num_tokens)
 
     def reset_prefix_cache(self, timeout: float | None = None) -> bool:
         """Uncache every block (admin sessions only)."""

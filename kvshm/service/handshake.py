@@ -66,20 +66,23 @@ def make_hello(path, *, tenant: str = "", node: int = -1, token: str | None = No
                admin: bool = False, admin_token: str | None = None,
                hash_algorithm: str | None = DEFAULT_HASH_ALGORITHM,
                hash_seed: str = DEFAULT_HASH_SEED,
-               tenant_token: str | None = None) -> p.Hello:
+               tenant_token: str | None = None, vllm_version: str = "") -> p.Hello:
     """The handshake of a session (`connect()`'s arguments); `admin=True`
     reads the admin token from beside the socket unless one is given, and
     `hash_algorithm=None` takes the pool's hashing, whatever it is (the
     client then hashes with `make_hasher()`).  `tenant_token` proves
     `tenant` to a coordinator that declares it `token:FILE`
-    (service/tenant_auth.py)."""
+    (service/tenant_auth.py).  `vllm_version`: the release of the vLLM
+    engine the session serves; a pool reproducing another release's
+    semantics refuses it."""
     if admin and admin_token is None:
         admin_token = read_admin_token(path)
     if tenant_token is not None and not isinstance(tenant_token, str):
         raise InvalidArgument(f"tenant_token must be a str (got {type(tenant_token).__name__})")
     fingerprint = "" if hash_algorithm is None else hash_fingerprint(hash_algorithm, hash_seed)
     return p.Hello(p.PROTOCOL_VERSION, os.getpid(), fingerprint, node, tenant, token or "",
-                   admin_token or "", tenant_token=(tenant_token or "").strip())
+                   admin_token or "", tenant_token=(tenant_token or "").strip(),
+                   vllm_version=vllm_version)
 
 
 

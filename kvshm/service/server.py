@@ -406,6 +406,11 @@ class Coordinator:
             return p.Error(HashMismatch.code, f"hash fingerprint {hello.hash_fingerprint} "
                            f"differs from the pool's {self.fingerprint} (same "
                            "hash_algorithm and hash_seed needed)")
+        release = self.mgr.config.vllm_version
+        if hello.vllm_version and hello.vllm_version != release:
+            return p.Error(HandshakeError.code, f"this pool reproduces vLLM {release}'s allocation "
+                           f"semantics, not vLLM {hello.vllm_version}'s, the engine's (serve a "
+                           f"pool with vllm_version = \"{hello.vllm_version}\" for it)")
         tenant = hello.tenant
         problem = tenant_name_problem(tenant)
         if problem:

@@ -290,12 +290,13 @@ def connect_sync(path: str | os.PathLike | None = None, *, name: str | None = No
                  hash_algorithm: str | None = DEFAULT_HASH_ALGORITHM,
                  hash_seed: str = DEFAULT_HASH_SEED, timeout: float = 10.0,
                  reconnect: Reconnect | None = None, resume: bool = True,
-                 tenant_token: str | None = None) -> SyncClient:
+                 tenant_token: str | None = None, vllm_version: str = "") -> SyncClient:
     """Open a session (blocking) with the coordinator at `path` or pool
     `name`'s; the arguments and errors of `connect()`."""
     path = socket_path(path, name)
     hello = make_hello(path, tenant=tenant, node=node, token=token, admin=admin,
                        admin_token=admin_token, hash_algorithm=hash_algorithm,
-                       hash_seed=hash_seed, tenant_token=tenant_token)
+                       hash_seed=hash_seed, tenant_token=tenant_token,
+                       vllm_version=vllm_version)
     wire, welcome = open_wire_sync(path, hello, timeout)
     return SyncClient(path, hello, wire, welcome, (reconnect or Reconnect()) if resume else None)

@@ -16,26 +16,9 @@ from __future__ import annotations
 
 import os
 
-# The vLLM releases whose scheduler, manager interface and KV events the
-# plugin speaks (a local label such as "+cpu" is ignored).
-SUPPORTED_VLLM = ("0.14.0",)
+from kvshm.vllm.release import SUPPORTED_VLLM, UnsupportedVllm, refusal, vllm_release
 
-
-class UnsupportedVllm(SystemExit):
-    """The engine's vLLM is not one the plugin supports.  A SystemExit, so
-    that the engine stops with its one-line message and no traceback."""
-
-
-def refusal(found: str) -> str | None:
-    """Why the plugin refuses vLLM `found` (its `__version__`), or None when
-    it supports it."""
-    from kvshm import __version__
-    if found.split("+", 1)[0] in SUPPORTED_VLLM:
-        return None
-    supported = ", ".join(SUPPORTED_VLLM)
-    return (f"kvshm {__version__} supports vLLM {supported}, not the vLLM {found} of this "
-            f"engine (KVSHM_POOL={os.environ.get('KVSHM_POOL', '').strip()}): install vLLM "
-            f"{supported}, or unset KVSHM_POOL to run on vLLM's own KV-cache manager")
+__all__ = ["SUPPORTED_VLLM", "UnsupportedVllm", "refusal", "register", "vllm_release"]
 
 
 def register() -> None:
@@ -44,8 +27,8 @@ def register() -> None:
     (`UnsupportedVllm`), then installs kvshm's patches."""
     if not os.environ.get("KVSHM_POOL", "").strip():
         return
-    from vllm.version import __version__ as vllm_version
-    why = refusal(vllm_version)
+    from vllm.version import __version__ as found
+    why = refusal(found)
     if why is not None:
         raise UnsupportedVllm(why)
     from kvshm.vllm.patches import install

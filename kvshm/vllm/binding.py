@@ -22,6 +22,7 @@ from kvshm.core.errors import ConfigError, PoolRefused
 from kvshm.core.hashing import BlockHasher, VLLM_HASH_ALGORITHMS
 from kvshm.core.specs import PoolConfig, is_pythonhashseed
 from kvshm.pool.kv_cache_manager import KVCacheManager
+from kvshm.vllm.release import vllm_release
 
 log = logging.getLogger("kvshm.vllm")
 
@@ -170,7 +171,8 @@ class PoolBinding:
                     self.client = connect_sync(
                         path, hash_algorithm=None, tenant=os.environ.get("KVSHM_TENANT", ""),
                         node=int(os.environ.get("KVSHM_NODE", "-1")),
-                        admin=os.environ.get("KVSHM_ADMIN") == "1", tenant_token=tenant_token)
+                        admin=os.environ.get("KVSHM_ADMIN") == "1", tenant_token=tenant_token,
+                        vllm_version=vllm_release())
                     break
                 except (ConnectionLost, RequestTimeout):
                     if time.monotonic() >= deadline:

@@ -1,0 +1,34 @@
+"""The vLLM releases the plugin speaks, and the refusal of any other
+(kvshm/vllm/__init__.py checks it before patching anything)."""
+
+from __future__ import annotations
+
+import os
+
+# The vLLM releases whose scheduler, manager interface and KV events the
+# plugin speaks (a local label such as "+cpu" is ignored).
+SUPPORTED_VLLM = ("0.14.0",)
+
+
+class UnsupportedVllm(SystemExit):
+    """The engine's vLLM is not one the plugin supports.  A SystemExit, so
+    that the engine stops with its one-line message and no traceback."""
+
+
+def refusal(found: str) -> str | None:
+    """Why the plugin refuses vLLM `found` (its `__version__`), or None when
+    it supports it."""
+    from kvshm import __version__
+    if found.split("+", 1)[0] in SUPPORTED_VLLM:
+        return None
+    supported = ", ".join(SUPPORTED_VLLM)
+    return (f"kvshm {__version__} supports vLLM {supported}, not the vLLM {found} of this "
+            f"engine (KVSHM_POOL={os.environ.get('KVSHM_POOL', '').strip()}): install vLLM "
+            f"{supported}, or unset KVSHM_POOL to run on vLLM's own KV-cache manager")
+
+
+def vllm_release() -> str:
+    """The release of the vLLM this process runs ("0.14.0"; its local
+    label dropped)."""
+    from vllm.version import __version__
+    return __version__.split("+", 1)[0]
