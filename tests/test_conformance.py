@@ -39,8 +39,12 @@ SEM_032 = semantics("0.32.0")
 
 
 def _takes(path: Path) -> bool:
-    cfg, _ = load_trace(path)
-    return all(g["type"] in SEM_032.group_types for g in cfg["groups"])
+    cfg, ops = load_trace(path)
+    try:
+        trace_pool_config(cfg, ops)
+    except ConfigError:
+        return False
+    return True
 
 
 TAKEN_032 = [p for p in ALL_032 if _takes(p)]
@@ -49,7 +53,10 @@ REFUSED_032 = [p for p in ALL_032 if not _takes(p)]
 
 def test_the_0_32_set_is_here():
     assert len(ALL_032) == 160
-    assert len(TAKEN_032) == 79     # full, MLA, chunked local, cross-attention and their mixes
+    # full, MLA, chunked local, cross-attention and their mixes; a sliding window alone
+    assert len(TAKEN_032) == 102
+    assert {g["type"] for p in TAKEN_032 for g in load_trace(p)[0]["groups"]} == {
+        "full", "mla", "chunked_local", "cross_attention", "sliding_window"}
 
 
 @pytest.mark.parametrize("path", TAKEN_032, ids=[p.name.split(".")[0] for p in TAKEN_032])
@@ -66,7 +73,7 @@ def test_trace_of_vllm_0_32(path):
 @pytest.mark.parametrize("path", REFUSED_032, ids=[p.name.split(".")[0] for p in REFUSED_032])
 def test_a_0_32_pool_refuses_the_groups_it_does_not_reproduce(path):
     cfg, ops = load_trace(path)
-    with pytest.raises(ConfigError, match=r"a pool of vLLM 0\.32\.0's semantics takes no "
-                                          r"(sliding_window|mamba) group: kvshm does not "
-                                          r"reproduce 0\.32's"):
+    with pytest.raises(ConfigError, match=r"a pool of vLLM 0\.32\.0's semantics takes (no "
+                                          r"mamba group|a sliding_window group only as its "
+                                          r"one group): kvshm does not reproduce"):
         trace_pool_config(cfg, ops)

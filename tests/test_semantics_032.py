@@ -203,7 +203,10 @@ def test_estimate_cached_tokens_is_the_end_of_the_last_cached_block():
     (dict(vllm_version="0.32.0", groups=(SinkFullSpec(4, 8),)),
      "takes no sink_full group: vLLM 0.32.0 cannot build its own sink-attention manager"),
     (dict(vllm_version="0.32.0", groups=(FullSpec(4), SlidingWindowSpec(4, 8))),
-     "groups.1..type: a pool of vLLM 0.32.0's semantics takes no sliding_window group"),
+     r"groups\[1\].type: a pool of vLLM 0.32.0's semantics takes a sliding_window group "
+     "only as its one group"),
+    (dict(max_in_flight_tokens=64), "vLLM 0.14.0 has no admission gate"),
+    (dict(vllm_version="0.32.0", max_in_flight_tokens=0), "max_in_flight_tokens"),
     (dict(vllm_version="0.32.0", groups=(MambaSpec(4),)),
      "takes no mamba group: kvshm does not reproduce 0.32's Mamba manager yet"),
 ])
@@ -214,6 +217,7 @@ def test_the_config_refuses_what_0_32_does_not_have(changes, message):
 
 def test_0_32_takes_full_mla_chunked_local_and_cross_attention_groups():
     make_config(vllm_version="0.32.0", groups=(FullSpec(4), ChunkedLocalSpec(4, 8)))
+    make_config(vllm_version="0.32.0", groups=(SlidingWindowSpec(4, 8),))
     make_config(vllm_version="0.32.0", groups=(FullSpec(4), CrossAttentionSpec(4)),
                 enable_caching=False)
 
@@ -237,3 +241,36 @@ def test_an_engine_of_another_release_is_refused_at_the_handshake(pool_name, poo
             with connect_sync(proc.socket, vllm_version=release) as c:
                 assert c.config.vllm_version == pool_release
                 assert c.stats().num_sessions == 1
+
+
+# -- windowed groups ----------------------------------------------------------------------
+
+
+def test_a_sliding_window_caches_only_the_tail_a_replay_can_hit():
+    """Window 8, 4-token blocks: a hit needs 2 contiguous blocks ending where
+    a replay of the 12-token prompt resumes (token 11, so blocks 0-1).  0.32
+    caches those two, not block 2; 0.14 caches all three."""
+    for version, cached in (("0.32.0", [True, True, False]), ("0.14.0", [True, True, True])):
+        with pool(version, groups=(SlidingWindowSpec(4, 8),)) as m:
+            r = Request("r", tokens(0, 12), m.make_hasher())
+            m.allocate_slots(r, 12)
+            got = [m.block_pool.block_hash(b) is not None for b in m.get_block_ids("r")[0]]
+            assert got == cached, version
+            b = Request("b", tokens(0, 12), m.make_hasher())
+            assert m.get_computed_blocks(b)[1] == 8       # the replay hits the tail
+            assert_clean(m)
+
+
+def test_windowed_groups_are_admitted_for_their_window_and_the_tokens_in_flight():
+    """A 40-token request on 9 free blocks: its whole sequence needs 10,
+    but a window of 8 with 4 tokens in flight holds at most 4 (3 + 1 for a
+    window that starts inside a block), so 0.32 admits its first chunk."""
+    with pool(groups=(SlidingWindowSpec(4, 8),), max_in_flight_tokens=4) as m:
+        w = Request("w", tokens(0, 40), m.make_hasher())
+        assert m.allocate_slots(w, 8, full_sequence_must_fit=True, waiting=True) == ([1, 2],)
+    with pool(max_in_flight_tokens=4) as m:                   # full attention: no cap
+        w = Request("w", tokens(0, 40), m.make_hasher())
+        assert m.allocate_slots(w, 8, full_sequence_must_fit=True, waiting=True) is None
+    with pool(groups=(ChunkedLocalSpec(4, 8),), max_in_flight_tokens=4) as m:
+        w = Request("w", tokens(0, 40), m.make_hasher())      # chunk 8 + 4: 3 blocks
+        assert m.allocate_slots(w, 8, full_sequence_must_fit=True, waiting=True) == ([1, 2],)

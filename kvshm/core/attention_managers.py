@@ -51,6 +51,9 @@ class SingleTypeManager:
         # Tokens of extra slots this type allocates beyond the need (Mamba's
         # speculative blocks).
         self.extra_tokens = 0
+        # The most blocks an admission must find free for a request of any
+        # length (vLLM 0.32's windowed types; None: its whole sequence's).
+        self.admission_cap: int | None = None
 
     # -- entries -------------------------------------------------------------
     def _entry(self, request_id: str) -> list[int]:
@@ -203,6 +206,9 @@ class SingleTypeManager:
         assert len(hashes) >= num_full * k, "block hashes lag behind the tokens"
         pool, g = self.pool, self.group_id
         end = min(num_full, len(blocks))
+        # Which of the blocks from num_cached on to cache (None: all that
+        # are not null); the release may cache only those a hit can reach.
+        mask = self.cache_mask(request, num_cached, end)
         # A request may hold fewer blocks than `num_tokens` covers: cache
         # what it holds.  With readiness, blocks past the computed tokens are
         # cached pending (this step computes them).
@@ -212,7 +218,8 @@ class SingleTypeManager:
             ready = max(request.num_computed_tokens // self.block_size, num_cached)
             if ready < end:
                 self.pending_of.setdefault(rid, []).extend(
-                    i for i in range(ready, end) if blocks[i])
+                    i for i in range(ready, end)
+                    if blocks[i] and (mask is None or mask[i - num_cached]))
                 writer = self.table.slot_of[rid]
         # Each block's parent in its chain: the block before it (0 for the
         # first, or where a window has dropped that one).
@@ -224,19 +231,25 @@ class SingleTypeManager:
         self._set_num_cached(rid, num_full)
         for i in range(num_cached, end):
             b = blocks[i]
-            if b:  # null placeholders (out of window) are never cached
+            # (null placeholders, out of window, are never cached)
+            if b and (mask is None or mask[i - num_cached]):
                 pool.cache_block(b, hashes[i * k + k - 1], g, writer if i >= ready else -1,
                                  parent)
                 parent = b
         if pool.events is not None:   # (off the hot path when nobody records events)
-            stored = [hashes[i * k + k - 1] for i in range(num_cached, min(num_full, len(blocks)))
-                      if blocks[i]]
+            stored = [hashes[i * k + k - 1] for i in range(num_cached, end)
+                      if blocks[i] and (mask is None or mask[i - num_cached])]
             bs = self.block_size
             tokens = request.all_token_ids
             pool.events.stored(
                 stored, hashes[num_cached * k - 1] if num_cached else None,
                 tokens[num_cached * bs:num_full * bs] if tokens is not None else [],
                 bs, request, g)
+
+    def cache_mask(self, request: Request, start: int, end: int) -> list[bool] | None:
+        """Which of the request's blocks `start`..`end` - 1 `cache_blocks`
+        caches: None for every one that is not null (all types in 0.14)."""
+        return None
 
     def mark_computed(self, request_id: str, num_computed_tokens: int) -> None:
         """The request's K/V up to `num_computed_tokens` are in the arena:
@@ -530,8 +543,3 @@ MANAGER_CLASSES: dict[type, type[SingleTypeManager]] = {
     MambaSpec: MambaManager,
     CrossAttentionSpec: CrossAttentionManager,
 }
-
-
-def make_manager(spec: GroupSpec, group_id: int, pool: BlockPool,
-                 table: RequestTable, config: PoolConfig) -> SingleTypeManager:
-    return MANAGER_CLASSES[type(spec)](spec, group_id, pool, table, config)

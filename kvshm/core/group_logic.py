@@ -12,7 +12,8 @@ import math
 from collections.abc import Sequence
 
 from kvshm.core.block_pool import BlockPool
-from kvshm.core.attention_managers import CrossAttentionManager, SingleTypeManager, make_manager
+from kvshm.core.attention_managers import CrossAttentionManager, SingleTypeManager
+from kvshm.core.release_managers import make_manager
 from kvshm.core.request import Request
 from kvshm.core.specs import FULL_ATTENTION_TYPES, PoolConfig, attention_types
 from kvshm.core.state import FLAG_CACHED
@@ -70,6 +71,23 @@ class GroupLogic:
                                                   new_computed_blocks[g],
                                                   total_computed_tokens)
             g += 1
+        return n
+
+    def get_num_blocks_to_admit(self, request_id: str, num_tokens: int,
+                                new_computed_blocks: BlockIds, num_encoder_tokens: int,
+                                total_computed_tokens: int) -> int:
+        """`get_num_blocks_to_allocate` for a waiting request's whole
+        sequence (vLLM 0.32's admission gate): a group with an
+        `admission_cap` needs at most that many."""
+        n = 0
+        for g, m in enumerate(self.managers):
+            if self.cross[g]:
+                n += m.get_num_blocks_to_allocate(request_id, num_encoder_tokens, (), 0)
+                continue
+            cap = m.admission_cap
+            n += m.get_num_blocks_to_allocate(
+                request_id, num_tokens if cap is None else min(num_tokens, cap * m.block_size),
+                new_computed_blocks[g], total_computed_tokens)
         return n
 
     def allocate_new_computed_blocks(self, request_id: str, new_computed_blocks: BlockIds,

@@ -358,7 +358,7 @@ class KVCacheManagerCore:
                 # Blocks for the whole sequence, checked before any window
                 # moves (as vLLM 0.32).
                 full = num_tokens if num_tokens < max_len else max_len
-                need = watermark + groups.get_num_blocks_to_allocate(
+                need = watermark + groups.get_num_blocks_to_admit(
                     rid, full, hits, num_encoder_tokens, total_computed)
                 if need > pool.num_free_blocks - self.free_floor:
                     self.refused_by_floor = need <= pool.num_free_blocks

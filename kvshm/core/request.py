@@ -18,7 +18,8 @@ class Request:
     """A request as the KV-cache manager sees it.
 
     Attributes mirror vLLM's request where they name the same thing:
-    `request_id`, `all_token_ids`, `num_tokens`, `num_computed_tokens`,
+    `request_id`, `all_token_ids`, `num_tokens`, `num_prompt_tokens` (the tokens
+    it was made with), `num_computed_tokens`,
     `block_hashes`, `lora_name`, `cache_salt`, `mm_features`,
     `prompt_embeds`, `skip_reading_prefix_cache`.
     `hasher` may be None (caching off): then `block_hashes` stays empty.
@@ -38,7 +39,8 @@ class Request:
     hashes and token counts instead.
     """
 
-    __slots__ = ("request_id", "all_token_ids", "num_tokens", "num_computed_tokens",
+    __slots__ = ("request_id", "all_token_ids", "num_tokens", "num_prompt_tokens",
+                 "num_computed_tokens",
                  "block_hashes", "lora_name", "cache_salt", "mm_features", "prompt_embeds",
                  "skip_reading_prefix_cache", "num_preemptions", "_hasher", "_extra",
                  "_parent", "_tokens")
@@ -70,7 +72,7 @@ class Request:
         self._setup(request_id, hasher, lora_name, cache_salt, skip_reading_prefix_cache,
                     features, embeds, row_bytes)
         self.all_token_ids: list[int] | None = tokens
-        self.num_tokens = len(tokens)
+        self.num_tokens = self.num_prompt_tokens = len(tokens)
         self._extend_hashes()
 
     @classmethod
@@ -94,6 +96,7 @@ class Request:
         self.all_token_ids = None
         self.num_tokens = 0
         self.append_block_hashes(block_hashes, num_tokens)
+        self.num_prompt_tokens = self.num_tokens
         return self
 
     def _setup(self, request_id, hasher, lora_name, cache_salt, skip_read,

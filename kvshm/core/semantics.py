@@ -44,6 +44,8 @@ class Semantics:
         for op for it, per its recorded conformance set
         (`PoolConfig` refuses the others, with `missing_types`' reason).
     missing_types: why a type is not in `group_types`.
+    alone_types: types a pool of the release takes only as its one group,
+        with the reason.
     """
 
     version: str
@@ -54,6 +56,7 @@ class Semantics:
     common_prefix_blocks: bool
     group_types: frozenset[str]
     missing_types: dict[str, str]
+    alone_types: dict[str, str]
 
 
 ALL_TYPES = frozenset(("full", "mla", "sink_full", "sliding_window", "chunked_local", "mamba",
@@ -61,19 +64,23 @@ ALL_TYPES = frozenset(("full", "mla", "sink_full", "sliding_window", "chunked_lo
 RELEASES: dict[str, Semantics] = {
     "0.14.0": Semantics("0.14.0", lifo_unhashed_free=False, admission_gate=False,
                         allocates_without_new_tokens=False, stats_at_admission=False,
-                        common_prefix_blocks=True, group_types=ALL_TYPES, missing_types={}),
+                        common_prefix_blocks=True, group_types=ALL_TYPES, missing_types={},
+                        alone_types={}),
     "0.32.0": Semantics(
         "0.32.0", lifo_unhashed_free=True, admission_gate=True,
         allocates_without_new_tokens=True, stats_at_admission=True,
         common_prefix_blocks=False,
-        group_types=frozenset(("full", "mla", "chunked_local", "cross_attention")),
+        group_types=frozenset(("full", "mla", "chunked_local", "cross_attention",
+                               "sliding_window")),
         missing_types={
             "sink_full": "vLLM 0.32.0 cannot build its own sink-attention manager (its "
                          "constructor does not take what its coordinator passes), so no "
                          "0.32 engine runs such a model",
-            "sliding_window": "kvshm does not reproduce 0.32's sliding-window caching yet "
-                              "(it caches only the blocks a replay can reach)",
             "mamba": "kvshm does not reproduce 0.32's Mamba manager yet",
+        },
+        alone_types={
+            "sliding_window": "kvshm does not reproduce how 0.32's hybrid pools align a "
+                              "sliding window's hits and caching yet",
         }),
 }
 VLLM_VERSIONS = tuple(RELEASES)

@@ -154,6 +154,7 @@ class PoolConfig(msgspec.Struct, frozen=True, kw_only=True):
     kv: KVShape | None = None   # set: the coordinator also creates a KV data arena
     vllm_version: str = DEFAULT_VLLM_VERSION   # whose allocation semantics (core/semantics.py)
     watermark: float = 0.0   # 0.32: share of num_blocks kept free when admitting
+    max_in_flight_tokens: int | None = None   # 0.32: bounds windowed groups at admission
 
     @property
     def semantics(self) -> Semantics:
@@ -280,6 +281,11 @@ class PoolConfig(msgspec.Struct, frozen=True, kw_only=True):
         if self.watermark and not self.semantics.admission_gate:
             raise ConfigError("watermark", f"vLLM {self.vllm_version} has no watermark "
                               "(vllm_version = \"0.32.0\" has)")
+        if self.max_in_flight_tokens is not None:
+            _positive("max_in_flight_tokens", self.max_in_flight_tokens)
+            if not self.semantics.admission_gate:
+                raise ConfigError("max_in_flight_tokens", f"vLLM {self.vllm_version} has no "
+                                  "admission gate (vllm_version = \"0.32.0\" has)")
         if self.dcp_world_size not in (1, 2, 4, 8):
             raise ConfigError("dcp_world_size", "must be 1, 2, 4 or 8")
         if self.hash_algorithm not in HASH_ALGORITHMS:
@@ -316,6 +322,9 @@ class PoolConfig(msgspec.Struct, frozen=True, kw_only=True):
         if kind not in sem.group_types:
             raise ConfigError(f"{where}.type", f"a pool of vLLM {sem.version}'s semantics takes "
                               f"no {kind} group: {sem.missing_types[kind]}")
+        if kind in sem.alone_types and len(self.groups) > 1:
+            raise ConfigError(f"{where}.type", f"a pool of vLLM {sem.version}'s semantics takes "
+                              f"a {kind} group only as its one group: {sem.alone_types[kind]}")
         _positive(f"{where}.block_size", g.block_size)
         if isinstance(g, SlidingWindowSpec):
             _positive(f"{where}.sliding_window", g.sliding_window)

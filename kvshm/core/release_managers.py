@@ -1,0 +1,92 @@
+"""Per-type managers where a vLLM release's differ from 0.14's, and
+`make_manager`, which gives a pool's group the manager of the pool's
+release (`PoolConfig.vllm_version`, core/semantics.py).
+
+vLLM 0.32's sliding window caches only the blocks a later request can hit:
+a hit needs the window's worth of contiguous cached blocks ending where a
+replay of the prompt can resume (`num_prompt_tokens - 1`; with EAGLE, the
+block boundaries below the resend and the extension of the prompt, plus
+the block above, which EAGLE matches and drops), so only that tail is
+cached (its `prefix_cache_retention_interval` 0, the engines' default);
+0.14 cached every full block.  Only single-group pools take a sliding
+window on 0.32 so far (specs.py): hybrid pools align hits otherwise.
+
+Its admission gate (`KVCacheManagerCore.allocate_slots`) asks a windowed
+group for at most its `admission_cap` blocks, whatever the request's
+length: the window (or local chunk) plus the tokens in flight
+(`PoolConfig.max_in_flight_tokens`), as the blocks behind the window are
+freed as the request goes.
+"""
+
+from __future__ import annotations
+
+from kvshm.core.attention_managers import (MANAGER_CLASSES, ChunkedLocalManager,
+                                           SingleTypeManager, SlidingWindowManager)
+from kvshm.core.block_pool import BlockPool
+from kvshm.core.request import Request
+from kvshm.core.specs import ChunkedLocalSpec, GroupSpec, PoolConfig, SlidingWindowSpec
+from kvshm.core.table import RequestTable
+
+
+def replay_boundaries(num_prompt_tokens: int, block_size: int, use_eagle: bool) -> list[int]:
+    """Token positions a later request replaying a prompt of
+    `num_prompt_tokens` can resume at (see the module doc)."""
+    if not use_eagle:
+        return [num_prompt_tokens - 1]
+    resend = (num_prompt_tokens - 1) // block_size * block_size
+    extension = num_prompt_tokens // block_size * block_size
+    return sorted({max(resend - block_size, 0), max(extension - block_size, 0)})
+
+
+def _in_flight(config: PoolConfig) -> int:
+    """The tokens a request may have scheduled and not settled."""
+    n = config.max_in_flight_tokens
+    return config.max_model_len if n is None else n
+
+
+class ReachableSlidingWindowManager(SlidingWindowManager):
+    """vLLM 0.32's sliding window: caches the tails a replay can hit, and
+    admits a request needing at most its window and the tokens in flight
+    (+1 block: a window need not start on a block's first token)."""
+
+    def __init__(self, spec: SlidingWindowSpec, group_id, pool, table, config) -> None:
+        super().__init__(spec, group_id, pool, table, config)
+        # Contiguous blocks a hit needs (EAGLE: one more, dropped after).
+        self.hit_blocks = (-(-(spec.sliding_window - 1) // self.block_size)
+                           + (1 if self.use_eagle else 0))
+        held = min(spec.sliding_window - 1 + _in_flight(config), config.max_model_len)
+        self.admission_cap = -(-held // spec.block_size) + 1
+
+    def cache_mask(self, request: Request, start: int, end: int) -> list[bool]:
+        bs, need = self.block_size, self.hit_blocks
+        shift = 1 if self.use_eagle else 0
+        mask = [False] * (end - start)
+        for boundary in replay_boundaries(request.num_prompt_tokens, bs, self.use_eagle):
+            stop = boundary // bs + shift
+            for j in range(max(start, stop - need), min(end, stop)):
+                mask[j - start] = True
+        return mask
+
+
+class CappedChunkedLocalManager(ChunkedLocalManager):
+    """vLLM 0.32's chunked local attention: admits a request needing at
+    most its chunk and the tokens in flight."""
+
+    def __init__(self, spec: ChunkedLocalSpec, group_id, pool, table, config) -> None:
+        super().__init__(spec, group_id, pool, table, config)
+        held = min(spec.attention_chunk_size + _in_flight(config), config.max_model_len)
+        self.admission_cap = -(-held // spec.block_size)
+
+
+RELEASE_MANAGERS: dict[str, dict[type, type[SingleTypeManager]]] = {
+    "0.14.0": MANAGER_CLASSES,
+    "0.32.0": {**MANAGER_CLASSES, SlidingWindowSpec: ReachableSlidingWindowManager,
+               ChunkedLocalSpec: CappedChunkedLocalManager},
+}
+
+
+def make_manager(spec: GroupSpec, group_id: int, pool: BlockPool,
+                 table: RequestTable, config: PoolConfig) -> SingleTypeManager:
+    """The manager of group `group_id` under the pool's release."""
+    cls = RELEASE_MANAGERS[config.vllm_version][type(spec)]
+    return cls(spec, group_id, pool, table, config)
