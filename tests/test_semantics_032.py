@@ -203,12 +203,12 @@ def test_estimate_cached_tokens_is_the_end_of_the_last_cached_block():
     (dict(vllm_version="0.32.0", groups=(SinkFullSpec(4, 8),)),
      "takes no sink_full group: vLLM 0.32.0 cannot build its own sink-attention manager"),
     (dict(vllm_version="0.32.0", groups=(FullSpec(4), SlidingWindowSpec(4, 8))),
-     r"groups\[1\].type: a pool of vLLM 0.32.0's semantics takes a sliding_window group "
-     "only as its one group"),
+     r"groups\[1\].type: a pool of vLLM 0.32.0's semantics with caching on takes a "
+     "sliding_window group only as its one group"),
+    (dict(vllm_version="0.32.0", groups=(FullSpec(4), MambaSpec(4))),
+     "with caching on takes a mamba group only as its one group"),
     (dict(max_in_flight_tokens=64), "vLLM 0.14.0 has no admission gate"),
     (dict(vllm_version="0.32.0", max_in_flight_tokens=0), "max_in_flight_tokens"),
-    (dict(vllm_version="0.32.0", groups=(MambaSpec(4),)),
-     "takes no mamba group: kvshm does not reproduce 0.32's Mamba manager yet"),
 ])
 def test_the_config_refuses_what_0_32_does_not_have(changes, message):
     with pytest.raises(ConfigError, match=message):
@@ -218,6 +218,9 @@ def test_the_config_refuses_what_0_32_does_not_have(changes, message):
 def test_0_32_takes_full_mla_chunked_local_and_cross_attention_groups():
     make_config(vllm_version="0.32.0", groups=(FullSpec(4), ChunkedLocalSpec(4, 8)))
     make_config(vllm_version="0.32.0", groups=(SlidingWindowSpec(4, 8),))
+    make_config(vllm_version="0.32.0", groups=(MambaSpec(4),))
+    make_config(vllm_version="0.32.0", groups=(FullSpec(4), SlidingWindowSpec(4, 8)),
+                enable_caching=False)       # (no hybrid lookups without a cache)
     make_config(vllm_version="0.32.0", groups=(FullSpec(4), CrossAttentionSpec(4)),
                 enable_caching=False)
 
@@ -274,3 +277,30 @@ def test_windowed_groups_are_admitted_for_their_window_and_the_tokens_in_flight(
     with pool(groups=(ChunkedLocalSpec(4, 8),), max_in_flight_tokens=4) as m:
         w = Request("w", tokens(0, 40), m.make_hasher())      # chunk 8 + 4: 3 blocks
         assert m.allocate_slots(w, 8, full_sequence_must_fit=True, waiting=True) == ([1, 2],)
+
+
+def test_mamba_caches_the_replay_state_and_defers_a_hit_cached_this_step():
+    """Mamba, 4-token blocks: a 10-token prompt's replay resumes from token
+    9, so only the state block ending at token 8 (block 1) is cached.  A
+    request hitting it in the same step is not admitted; in the next step
+    (`new_step_starts`) it is.  0.14 caches every state block and defers
+    nothing."""
+    with pool(groups=(MambaSpec(4),)) as m:
+        a = Request("a", tokens(0, 10), m.make_hasher())
+        m.allocate_slots(a, 10)
+        held = m.get_block_ids("a")[0]
+        assert [m.block_pool.block_hash(b) is not None for b in held] == [False, True, False]
+        b = Request("b", tokens(0, 10), m.make_hasher())
+        hits, n = m.get_computed_blocks(b)
+        assert n == 8
+        assert m.allocate_slots(b, 2, n, hits, waiting=True) is None
+        m.new_step_starts()
+        hits, n = m.get_computed_blocks(b)
+        assert m.allocate_slots(b, 2, n, hits, waiting=True) is not None
+        assert_clean(m)
+    with pool("0.14.0", groups=(MambaSpec(4),)) as m:
+        a = Request("a", tokens(0, 10), m.make_hasher())
+        m.allocate_slots(a, 10)
+        b = Request("b", tokens(0, 10), m.make_hasher())
+        hits, n = m.get_computed_blocks(b)
+        assert m.allocate_slots(b, 2, n, hits) is not None

@@ -246,6 +246,9 @@ class SingleTypeManager:
                 tokens[num_cached * bs:num_full * bs] if tokens is not None else [],
                 bs, request, g)
 
+    def new_step_starts(self) -> None:
+        """A scheduler step begins (vLLM 0.32; only its Mamba manager acts)."""
+
     def cache_mask(self, request: Request, start: int, end: int) -> list[bool] | None:
         """Which of the request's blocks `start`..`end` - 1 `cache_blocks`
         caches: None for every one that is not null (all types in 0.14)."""

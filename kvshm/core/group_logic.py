@@ -152,6 +152,10 @@ class GroupLogic:
     def get_num_common_prefix_blocks(self, request_id: str) -> list[int]:
         return [m.get_num_common_prefix_blocks(request_id) for m in self.managers]
 
+    def new_step_starts(self) -> None:
+        for m in self.managers:
+            m.new_step_starts()
+
     def estimate_cached_tokens(self, request_id: str) -> int:
         """Per prefix-cached group (not cross-attention) the end of the last
         cached block the request holds, the least over groups; 0 if none."""

@@ -223,8 +223,9 @@ class KVCacheManagerCore:
         return self.groups.estimate_cached_tokens(request_id)
 
     def new_step_starts(self) -> None:
-        """A scheduler step begins (vLLM 0.32's hook; nothing to do for the
-        attention types kvshm's 0.32 pools take)."""
+        """A scheduler step begins (vLLM 0.32's hook: its Mamba manager
+        admits no request whose last hit was cached in the same step)."""
+        self.groups.new_step_starts()
 
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
         """Every block the request holds, per group (nulls included)."""

@@ -8,8 +8,11 @@ replay of the prompt can resume (`num_prompt_tokens - 1`; with EAGLE, the
 block boundaries below the resend and the extension of the prompt, plus
 the block above, which EAGLE matches and drops), so only that tail is
 cached (its `prefix_cache_retention_interval` 0, the engines' default);
-0.14 cached every full block.  Only single-group pools take a sliding
-window on 0.32 so far (specs.py): hybrid pools align hits otherwise.
+0.14 cached every full block.  Its Mamba manager likewise caches only the
+state at that boundary, and puts off a request whose last hit was cached
+in the same scheduler step.  With caching on, a 0.32 pool takes a sliding
+window or Mamba only as its one group so far (specs.py): hybrid pools
+align hits and caching otherwise.
 
 Its admission gate (`KVCacheManagerCore.allocate_slots`) asks a windowed
 group for at most its `admission_cap` blocks, whatever the request's
@@ -21,10 +24,12 @@ freed as the request goes.
 from __future__ import annotations
 
 from kvshm.core.attention_managers import (MANAGER_CLASSES, ChunkedLocalManager,
-                                           SingleTypeManager, SlidingWindowManager)
+                                           MambaManager, SingleTypeManager,
+                                           SlidingWindowManager)
 from kvshm.core.block_pool import BlockPool
 from kvshm.core.request import Request
-from kvshm.core.specs import ChunkedLocalSpec, GroupSpec, PoolConfig, SlidingWindowSpec
+from kvshm.core.specs import (ChunkedLocalSpec, GroupSpec, MambaSpec, PoolConfig,
+                              SlidingWindowSpec)
 from kvshm.core.table import RequestTable
 
 
@@ -68,6 +73,49 @@ class ReachableSlidingWindowManager(SlidingWindowManager):
         return mask
 
 
+class StepMambaManager(MambaManager):
+    """vLLM 0.32's Mamba manager ("none" cache mode): caches only the state
+    block at the boundary a replay of the prompt resumes from, and does not
+    admit a request whose last hit was cached in the same scheduler step
+    (`new_step_starts` begins one): its state may not be written yet.  The
+    step's cached hashes live in this process only, so a coordinator
+    restarted mid-step admits such a request at once."""
+
+    def __init__(self, spec: MambaSpec, group_id, pool, table, config) -> None:
+        super().__init__(spec, group_id, pool, table, config)
+        self.cached_this_step: set[bytes] = set()
+
+    def new_step_starts(self) -> None:
+        self.cached_this_step.clear()
+
+    def cache_mask(self, request: Request, start: int, end: int) -> list[bool]:
+        bs = self.block_size
+        mask = [False] * (end - start)
+        for boundary in replay_boundaries(request.num_prompt_tokens, bs, self.use_eagle):
+            j = boundary // bs - 1
+            if start <= j < end:
+                mask[j - start] = True
+        return mask
+
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+        rid = request.request_id
+        before = self.num_cached_block.get(rid, 0)
+        super().cache_blocks(request, num_tokens)
+        blocks, pool = self.req_to_blocks.get(rid, ()), self.pool
+        for i in range(before, min(self.num_cached_block.get(rid, 0), len(blocks))):
+            digest = pool.block_hash(blocks[i]) if blocks[i] else None
+            if digest is not None:
+                self.cached_this_step.add(digest)
+
+    def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int,
+                                   new_computed_blocks, total_computed_tokens: int) -> int:
+        if (new_computed_blocks and new_computed_blocks[-1]
+                and self.pool.block_hash(new_computed_blocks[-1]) in self.cached_this_step):
+            return self.pool.num_blocks + 1       # more than the pool: not this step
+        return super().get_num_blocks_to_allocate(request_id, num_tokens, new_computed_blocks,
+                                                  total_computed_tokens)
+
+
 class CappedChunkedLocalManager(ChunkedLocalManager):
     """vLLM 0.32's chunked local attention: admits a request needing at
     most its chunk and the tokens in flight."""
@@ -81,7 +129,7 @@ class CappedChunkedLocalManager(ChunkedLocalManager):
 RELEASE_MANAGERS: dict[str, dict[type, type[SingleTypeManager]]] = {
     "0.14.0": MANAGER_CLASSES,
     "0.32.0": {**MANAGER_CLASSES, SlidingWindowSpec: ReachableSlidingWindowManager,
-               ChunkedLocalSpec: CappedChunkedLocalManager},
+               ChunkedLocalSpec: CappedChunkedLocalManager, MambaSpec: StepMambaManager},
 }
 
 

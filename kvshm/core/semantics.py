@@ -44,8 +44,9 @@ class Semantics:
         for op for it, per its recorded conformance set
         (`PoolConfig` refuses the others, with `missing_types`' reason).
     missing_types: why a type is not in `group_types`.
-    alone_types: types a pool of the release takes only as its one group,
-        with the reason.
+    alone_types: types a pool of the release with caching on takes only
+        as its one group (hybrid lookups and caching differ), with the
+        reason.
     """
 
     version: str
@@ -71,16 +72,17 @@ RELEASES: dict[str, Semantics] = {
         allocates_without_new_tokens=True, stats_at_admission=True,
         common_prefix_blocks=False,
         group_types=frozenset(("full", "mla", "chunked_local", "cross_attention",
-                               "sliding_window")),
+                               "sliding_window", "mamba")),
         missing_types={
             "sink_full": "vLLM 0.32.0 cannot build its own sink-attention manager (its "
                          "constructor does not take what its coordinator passes), so no "
                          "0.32 engine runs such a model",
-            "mamba": "kvshm does not reproduce 0.32's Mamba manager yet",
         },
         alone_types={
             "sliding_window": "kvshm does not reproduce how 0.32's hybrid pools align a "
                               "sliding window's hits and caching yet",
+            "mamba": "kvshm does not reproduce how 0.32's hybrid pools align a Mamba "
+                     "group's hits and caching yet",
         }),
 }
 VLLM_VERSIONS = tuple(RELEASES)

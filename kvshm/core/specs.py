@@ -322,9 +322,10 @@ class PoolConfig(msgspec.Struct, frozen=True, kw_only=True):
         if kind not in sem.group_types:
             raise ConfigError(f"{where}.type", f"a pool of vLLM {sem.version}'s semantics takes "
                               f"no {kind} group: {sem.missing_types[kind]}")
-        if kind in sem.alone_types and len(self.groups) > 1:
-            raise ConfigError(f"{where}.type", f"a pool of vLLM {sem.version}'s semantics takes "
-                              f"a {kind} group only as its one group: {sem.alone_types[kind]}")
+        if kind in sem.alone_types and len(self.groups) > 1 and self.enable_caching:
+            raise ConfigError(f"{where}.type", f"a pool of vLLM {sem.version}'s semantics with "
+                              f"caching on takes a {kind} group only as its one group: "
+                              f"{sem.alone_types[kind]}")
         _positive(f"{where}.block_size", g.block_size)
         if isinstance(g, SlidingWindowSpec):
             _positive(f"{where}.sliding_window", g.sliding_window)
