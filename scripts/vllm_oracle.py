@@ -145,6 +145,7 @@ class Driver:
                   "num_computed_tokens": out[1]}
         if self.r.v32:
             expect["shared_prefix_boundary"] = out[2]
+            req.shared_prefix_boundary = out[2]     # as 0.32's scheduler does with it
         return expect
 
     def op_allocate_slots(self, op):

@@ -53,9 +53,8 @@ REFUSED_032 = [p for p in ALL_032 if not _takes(p)]
 
 def test_the_0_32_set_is_here():
     assert len(ALL_032) == 160
-    # every type but sink (0.32 cannot build it); with caching on, a sliding
-    # window or Mamba only as a pool's one group
-    assert len(TAKEN_032) == 119
+    # every type but sink (0.32 cannot build it); no EAGLE on a hybrid pool yet
+    assert len(TAKEN_032) == 157
     assert {g["type"] for p in TAKEN_032 for g in load_trace(p)[0]["groups"]} == {
         "full", "mla", "chunked_local", "cross_attention", "sliding_window", "mamba"}
 
@@ -74,8 +73,8 @@ def test_trace_of_vllm_0_32(path):
 @pytest.mark.parametrize("path", REFUSED_032, ids=[p.name.split(".")[0] for p in REFUSED_032])
 def test_a_0_32_pool_refuses_the_groups_it_does_not_reproduce(path):
     cfg, ops = load_trace(path)
-    with pytest.raises(ConfigError, match=r"a pool of vLLM 0\.32\.0's semantics with caching "
-                                          r"on takes a (sliding_window|mamba) group only as "
-                                          r"its one group: kvshm does not reproduce how 0\.32's "
-                                          r"hybrid pools align"):
+    assert cfg["use_eagle"] and len(cfg["groups"]) > 1
+    with pytest.raises(ConfigError, match=r"use_eagle: a pool of vLLM 0\.32\.0's semantics "
+                                          r"with several groups and caching on takes no EAGLE: "
+                                          r"kvshm does not reproduce how 0\.32's hybrid lookups"):
         trace_pool_config(cfg, ops)

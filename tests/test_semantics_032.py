@@ -202,11 +202,10 @@ def test_estimate_cached_tokens_is_the_end_of_the_last_cached_block():
     (dict(watermark=0.1), "vLLM 0.14.0 has no watermark"),
     (dict(vllm_version="0.32.0", groups=(SinkFullSpec(4, 8),)),
      "takes no sink_full group: vLLM 0.32.0 cannot build its own sink-attention manager"),
-    (dict(vllm_version="0.32.0", groups=(FullSpec(4), SlidingWindowSpec(4, 8))),
-     r"groups\[1\].type: a pool of vLLM 0.32.0's semantics with caching on takes a "
-     "sliding_window group only as its one group"),
-    (dict(vllm_version="0.32.0", groups=(FullSpec(4), MambaSpec(4))),
-     "with caching on takes a mamba group only as its one group"),
+    (dict(vllm_version="0.32.0", groups=(FullSpec(4), SlidingWindowSpec(4, 8)),
+          use_eagle=True),
+     "use_eagle: a pool of vLLM 0.32.0's semantics with several groups and caching on takes "
+     "no EAGLE"),
     (dict(max_in_flight_tokens=64), "vLLM 0.14.0 has no admission gate"),
     (dict(vllm_version="0.32.0", max_in_flight_tokens=0), "max_in_flight_tokens"),
 ])
@@ -219,7 +218,8 @@ def test_0_32_takes_full_mla_chunked_local_and_cross_attention_groups():
     make_config(vllm_version="0.32.0", groups=(FullSpec(4), ChunkedLocalSpec(4, 8)))
     make_config(vllm_version="0.32.0", groups=(SlidingWindowSpec(4, 8),))
     make_config(vllm_version="0.32.0", groups=(MambaSpec(4),))
-    make_config(vllm_version="0.32.0", groups=(FullSpec(4), SlidingWindowSpec(4, 8)),
+    make_config(vllm_version="0.32.0", groups=(FullSpec(4), SlidingWindowSpec(4, 8)))
+    make_config(vllm_version="0.32.0", groups=(FullSpec(4), MambaSpec(4)), use_eagle=True,
                 enable_caching=False)       # (no hybrid lookups without a cache)
     make_config(vllm_version="0.32.0", groups=(FullSpec(4), CrossAttentionSpec(4)),
                 enable_caching=False)
@@ -304,3 +304,26 @@ def test_mamba_caches_the_replay_state_and_defers_a_hit_cached_this_step():
         b = Request("b", tokens(0, 10), m.make_hasher())
         hits, n = m.get_computed_blocks(b)
         assert m.allocate_slots(b, 2, n, hits) is not None
+
+
+def test_a_hybrid_lookup_reports_the_prefix_a_window_has_not_cached():
+    """Full attention + a window of 8 (4-token blocks).  a's 16 tokens:
+    full attention caches 4 blocks, the window only the 2 its replay (token
+    15) reaches, blocks 1-2.  b extends a: full attention hits 16 tokens,
+    the window only 12, so the hit is 12 and the shared prefix that the
+    window has not cached ends at 16 (`shared_prefix_boundary`); b's window
+    then caches the tail reaching it too."""
+    with pool(groups=(FullSpec(4), SlidingWindowSpec(4, 8)), num_blocks=32) as m:
+        h = m.make_hasher()
+        a = Request("a", tokens(0, 16), h)
+        m.allocate_slots(a, 16)
+        sw = m.get_block_ids("a")[1]
+        assert [m.block_pool.block_hash(b) is not None for b in sw] == [False, True, True, False]
+        b = Request("b", tokens(0, 16) + tokens(500, 508), h)
+        hits, n = m.get_computed_blocks(b)
+        assert n == 12 and len(hits[0]) == 3
+        assert m.shared_prefix_boundary == b.shared_prefix_boundary == 16
+        m.allocate_slots(b, 12, n, hits)
+        sw_b = m.get_block_ids("b")[1]
+        assert m.block_pool.block_hash(sw_b[3]) is not None       # reaches 16
+        assert_clean(m)

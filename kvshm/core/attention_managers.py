@@ -54,6 +54,9 @@ class SingleTypeManager:
         # The most blocks an admission must find free for a request of any
         # length (vLLM 0.32's windowed types; None: its whole sequence's).
         self.admission_cap: int | None = None
+        # Hits end on multiples of this many tokens (a hybrid pool of 0.32
+        # sets the lcm of its block sizes).
+        self.hit_alignment = self.block_size
 
     # -- entries -------------------------------------------------------------
     def _entry(self, request_id: str) -> list[int]:

@@ -174,6 +174,9 @@ class GroupLogic:
     def get_blocks(self, request_id: str) -> BlockIds:
         return tuple(list(m.req_to_blocks.get(request_id) or ()) for m in self.managers)
 
+    # How far past the last hit some group had cached (AlignedHybrid).
+    uncached_prefix_tokens = 0
+
     def find_longest_cache_hit(self, block_hashes: list[bytes],
                                max_length: int) -> tuple[BlockIds, int]:
         raise NotImplementedError
@@ -260,12 +263,72 @@ class Hybrid(GroupLogic):
         return tuple(h if h is not None else [] for h in hits), hit_length
 
 
+class AlignedHybrid(Hybrid):
+    """vLLM 0.32's hybrid logic (without EAGLE).  Hits and caching align
+    to the scheduler block, the lcm of the block sizes: every group caches
+    only up to a multiple of it.  The search looks up full attention once
+    (later rounds only cap the length by its hit, and its blocks are cut
+    to the final length at the end, rounding up), ends after one round for
+    full attention plus one other type, and reports how far past the hit
+    some type had cached (`uncached_prefix_tokens`: a prefix other
+    requests share that a windowed group has not cached; the managers
+    cache its tail too)."""
+
+    def __init__(self, config: PoolConfig, pool: BlockPool, table: RequestTable) -> None:
+        super().__init__(config, pool, table)
+        self.simple = (len(self.attention_types) == 2 and self.attention_types[0][0])
+        self.uncached_prefix_tokens = 0
+        for m in self.managers:
+            m.hit_alignment = self.lcm_block_size
+
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        n = num_computed_tokens // self.lcm_block_size * self.lcm_block_size
+        for m in self.managers:
+            m.cache_blocks(request, n)
+
+    def find_longest_cache_hit(self, block_hashes, max_length):
+        hit_length = max_length
+        longest = 0
+        hits: list[list[int] | None] = [None] * self.num_groups
+        found_length = [0] * self.num_groups
+        lcm = self.lcm_block_size
+        while True:
+            cur = hit_length
+            for is_full, ids, manager in self.attention_types:
+                if is_full and hits[ids[0]] is not None:
+                    cur = min(cur, found_length[ids[0]])
+                    continue
+                found = manager.find_longest_cache_hit(
+                    manager.group_hashes(block_hashes), cur, ids, lcm)
+                cur = len(found[0]) * manager.block_size
+                for g, blocks in zip(ids, found):
+                    hits[g] = blocks
+                    found_length[g] = cur
+                longest = max(longest, cur)
+            if cur >= hit_length:
+                break
+            hit_length = cur
+            if self.simple:
+                break
+        for is_full, ids, manager in self.attention_types:
+            if is_full:
+                keep = -(-hit_length // manager.block_size)
+                for g in ids:
+                    del hits[g][keep:]
+        self.uncached_prefix_tokens = longest - hit_length
+        return tuple(h if h is not None else [] for h in hits), hit_length
+
+
+# The hybrid logic of each release (core/semantics.py).
+HYBRID_LOGIC: dict[str, type[Hybrid]] = {"0.14.0": Hybrid, "0.32.0": AlignedHybrid}
+
+
 def make_group_logic(config: PoolConfig, pool: BlockPool, table: RequestTable) -> GroupLogic:
     if not config.enable_caching:
         return NoPrefixCache(config, pool, table)
     if len(config.groups) == 1:
         return Unitary(config, pool, table)
-    return Hybrid(config, pool, table)
+    return HYBRID_LOGIC[config.vllm_version](config, pool, table)
 
 
 def _no_window(request_id: str, total_computed_tokens: int) -> None:

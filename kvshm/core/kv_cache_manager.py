@@ -181,11 +181,15 @@ class KVCacheManagerCore:
         readiness, `num_in_flight_tokens` then says how many tokens past the
         hit other sessions are writing now.
         """
-        self.num_in_flight_tokens = 0
+        self.num_in_flight_tokens = self.shared_prefix_boundary = 0
         if not self.enable_caching or request.skip_reading_prefix_cache:
+            request.shared_prefix_boundary = 0
             return self.empty_blocks, 0
         blocks, n = self.groups.find_longest_cache_hit(request.block_hashes,
                                                        request.num_tokens - 1)
+        uncached = self.groups.uncached_prefix_tokens
+        request.shared_prefix_boundary = self.shared_prefix_boundary = (
+            n + uncached if uncached else 0)
         if self.block_pool.pending:
             self.num_in_flight_tokens = self.groups.in_flight_tokens
         if not self.semantics.stats_at_admission:

@@ -10,9 +10,10 @@ the block above, which EAGLE matches and drops), so only that tail is
 cached (its `prefix_cache_retention_interval` 0, the engines' default);
 0.14 cached every full block.  Its Mamba manager likewise caches only the
 state at that boundary, and puts off a request whose last hit was cached
-in the same scheduler step.  With caching on, a 0.32 pool takes a sliding
-window or Mamba only as its one group so far (specs.py): hybrid pools
-align hits and caching otherwise.
+in the same scheduler step.  Both also keep the tail reaching the prefix
+the request's last lookup found others share (`shared_prefix_boundary`);
+on a hybrid pool boundaries align to the lcm of the block sizes
+(`hit_alignment`, set by `AlignedHybrid` in group_logic.py).
 
 Its admission gate (`KVCacheManagerCore.allocate_slots`) asks a windowed
 group for at most its `admission_cap` blocks, whatever the request's
@@ -49,6 +50,15 @@ def _in_flight(config: PoolConfig) -> int:
     return config.max_model_len if n is None else n
 
 
+def reachable(request: Request, alignment: int, use_eagle: bool) -> list[int]:
+    """Where a later request can resume from `request`'s blocks: its replay
+    boundaries, and the prefix its last lookup found others share."""
+    out = replay_boundaries(request.num_prompt_tokens, alignment, use_eagle)
+    if request.shared_prefix_boundary:
+        out.append(request.shared_prefix_boundary)
+    return out
+
+
 class ReachableSlidingWindowManager(SlidingWindowManager):
     """vLLM 0.32's sliding window: caches the tails a replay can hit, and
     admits a request needing at most its window and the tokens in flight
@@ -63,11 +73,11 @@ class ReachableSlidingWindowManager(SlidingWindowManager):
         self.admission_cap = -(-held // spec.block_size) + 1
 
     def cache_mask(self, request: Request, start: int, end: int) -> list[bool]:
-        bs, need = self.block_size, self.hit_blocks
+        bs, need, align = self.block_size, self.hit_blocks, self.hit_alignment
         shift = 1 if self.use_eagle else 0
         mask = [False] * (end - start)
-        for boundary in replay_boundaries(request.num_prompt_tokens, bs, self.use_eagle):
-            stop = boundary // bs + shift
+        for boundary in reachable(request, align, self.use_eagle):
+            stop = boundary // align * align // bs + shift
             for j in range(max(start, stop - need), min(end, stop)):
                 mask[j - start] = True
         return mask
@@ -89,10 +99,10 @@ class StepMambaManager(MambaManager):
         self.cached_this_step.clear()
 
     def cache_mask(self, request: Request, start: int, end: int) -> list[bool]:
-        bs = self.block_size
+        bs, align = self.block_size, self.hit_alignment
         mask = [False] * (end - start)
-        for boundary in replay_boundaries(request.num_prompt_tokens, bs, self.use_eagle):
-            j = boundary // bs - 1
+        for boundary in reachable(request, align, self.use_eagle):
+            j = boundary // align * align // bs - 1
             if start <= j < end:
                 mask[j - start] = True
         return mask

@@ -42,7 +42,8 @@ class Request:
     __slots__ = ("request_id", "all_token_ids", "num_tokens", "num_prompt_tokens",
                  "num_computed_tokens",
                  "block_hashes", "lora_name", "cache_salt", "mm_features", "prompt_embeds",
-                 "skip_reading_prefix_cache", "num_preemptions", "_hasher", "_extra",
+                 "skip_reading_prefix_cache", "num_preemptions", "shared_prefix_boundary",
+                 "_hasher", "_extra",
                  "_parent", "_tokens")
 
     def __init__(
@@ -111,6 +112,9 @@ class Request:
         self.prompt_embeds = embeds
         self.skip_reading_prefix_cache = skip_read
         self.num_preemptions = 0
+        # vLLM 0.32: the prefix its last lookup found other requests share
+        # (KVCacheManagerCore.get_computed_blocks sets it; 0: none).
+        self.shared_prefix_boundary = 0
         self._hasher = hasher
         self._tokens = VLLM_TOKEN_RANGE if hasher is None else hasher.token_range
         self._extra = (None if hasher is None else

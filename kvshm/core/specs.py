@@ -286,6 +286,11 @@ class PoolConfig(msgspec.Struct, frozen=True, kw_only=True):
             if not self.semantics.admission_gate:
                 raise ConfigError("max_in_flight_tokens", f"vLLM {self.vllm_version} has no "
                                   "admission gate (vllm_version = \"0.32.0\" has)")
+        if (self.semantics.eagle_hybrid and self.use_eagle and self.enable_caching
+                and len(self.groups) > 1):
+            raise ConfigError("use_eagle", f"a pool of vLLM {self.vllm_version}'s semantics "
+                              "with several groups and caching on takes no EAGLE: "
+                              f"{self.semantics.eagle_hybrid}")
         if self.dcp_world_size not in (1, 2, 4, 8):
             raise ConfigError("dcp_world_size", "must be 1, 2, 4 or 8")
         if self.hash_algorithm not in HASH_ALGORITHMS:
@@ -322,10 +327,6 @@ class PoolConfig(msgspec.Struct, frozen=True, kw_only=True):
         if kind not in sem.group_types:
             raise ConfigError(f"{where}.type", f"a pool of vLLM {sem.version}'s semantics takes "
                               f"no {kind} group: {sem.missing_types[kind]}")
-        if kind in sem.alone_types and len(self.groups) > 1 and self.enable_caching:
-            raise ConfigError(f"{where}.type", f"a pool of vLLM {sem.version}'s semantics with "
-                              f"caching on takes a {kind} group only as its one group: "
-                              f"{sem.alone_types[kind]}")
         _positive(f"{where}.block_size", g.block_size)
         if isinstance(g, SlidingWindowSpec):
             _positive(f"{where}.sliding_window", g.sliding_window)

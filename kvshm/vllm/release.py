@@ -29,6 +29,10 @@ def refusal(found: str) -> str | None:
 
 def vllm_release() -> str:
     """The release of the vLLM this process runs ("0.14.0"; its local
-    label dropped)."""
-    from vllm.version import __version__
+    label dropped), or "" in a process without vLLM (a session that then
+    names no release, as kvshm's own clients)."""
+    try:
+        from vllm.version import __version__
+    except ImportError:
+        return ""
     return __version__.split("+", 1)[0]
