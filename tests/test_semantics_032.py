@@ -202,10 +202,6 @@ def test_estimate_cached_tokens_is_the_end_of_the_last_cached_block():
     (dict(watermark=0.1), "vLLM 0.14.0 has no watermark"),
     (dict(vllm_version="0.32.0", groups=(SinkFullSpec(4, 8),)),
      "takes no sink_full group: vLLM 0.32.0 cannot build its own sink-attention manager"),
-    (dict(vllm_version="0.32.0", groups=(FullSpec(4), SlidingWindowSpec(4, 8)),
-          use_eagle=True),
-     "use_eagle: a pool of vLLM 0.32.0's semantics with several groups and caching on takes "
-     "no EAGLE"),
     (dict(max_in_flight_tokens=64), "vLLM 0.14.0 has no admission gate"),
     (dict(vllm_version="0.32.0", max_in_flight_tokens=0), "max_in_flight_tokens"),
 ])

@@ -32,7 +32,6 @@ from kvshm.pool.stats import read_stats
 from kvshm.replay import expand_paths, load_trace
 from kvshm.service.client import connect
 from kvshm.service.handshake import default_socket_path
-from kvshm.core.semantics import semantics
 from kvshm.service.ipc_replay import replay_trace_ipc
 from kvshm.service.process import CoordinatorProcess
 from kvshm.service.server import Coordinator
@@ -544,6 +543,8 @@ IPC_TRACES = [
     "0.32.0/full16-tiny-chat-s1000", "0.32.0/full16-nocache-tiny-chat-s1200",
     "0.32.0/pd-full16-small-oob-s2905", "0.32.0/eagle-full16-tiny-chat-s2500",
     "0.32.0/encdec-enc64-tiny-chat-s1964", "0.32.0/hyb-full-chunked64-tiny-chat-s2400",
+    "0.32.0/sw128-tiny-chat-s1528", "0.32.0/mamba16-tiny-chat-s1800",
+    "0.32.0/hyb3-full-sw-mamba-tiny-chat-s2330", "0.32.0/eagle-hyb-full-sw128-tiny-chat-s2520",
 ]
 
 
@@ -578,9 +579,6 @@ def test_replay_ipc_all_traces():
     failures = []
     for path in paths + list(expand_paths([TRACES_032])):
         cfg, ops = load_trace(path)
-        if cfg.get("vllm_version") == "0.32.0" and any(
-                g["type"] not in semantics("0.32.0").group_types for g in cfg["groups"]):
-            continue    # refused by a 0.32 pool (tests/test_conformance.py)
         for batch in (0, 64):
             mismatch, _, report = replay_trace_ipc(cfg, ops, batch=batch)
             if mismatch is not None or not report.clean:

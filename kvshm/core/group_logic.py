@@ -12,7 +12,8 @@ import math
 from collections.abc import Sequence
 
 from kvshm.core.block_pool import BlockPool
-from kvshm.core.attention_managers import CrossAttentionManager, SingleTypeManager
+from kvshm.core.attention_managers import (CrossAttentionManager, SingleTypeManager,
+                                           SlidingWindowManager)
 from kvshm.core.release_managers import make_manager
 from kvshm.core.request import Request
 from kvshm.core.specs import FULL_ATTENTION_TYPES, PoolConfig, attention_types
@@ -278,13 +279,17 @@ class AlignedHybrid(Hybrid):
         super().__init__(config, pool, table)
         self.simple = (len(self.attention_types) == 2 and self.attention_types[0][0])
         self.uncached_prefix_tokens = 0
+        self.hash_block_size = config.hash_block_size
         for m in self.managers:
             m.hit_alignment = self.lcm_block_size
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        # (EAGLE: one block past the aligned prefix too, which a hit matches
+        # and drops)
         n = num_computed_tokens // self.lcm_block_size * self.lcm_block_size
         for m in self.managers:
-            m.cache_blocks(request, n)
+            m.cache_blocks(request, min(num_computed_tokens, n + m.block_size)
+                           if m.use_eagle and n else n)
 
     def find_longest_cache_hit(self, block_hashes, max_length):
         hit_length = max_length
@@ -292,14 +297,30 @@ class AlignedHybrid(Hybrid):
         hits: list[list[int] | None] = [None] * self.num_groups
         found_length = [0] * self.num_groups
         lcm = self.lcm_block_size
+        # EAGLE: each type drops its extra block once per candidate length
+        # (it looks one block further, then drops it; Mamba drops none).
+        verified: set[int] = set()
+        limit = len(block_hashes) * self.hash_block_size
         while True:
             cur = hit_length
-            for is_full, ids, manager in self.attention_types:
+            for t, (is_full, ids, manager) in enumerate(self.attention_types):
                 if is_full and hits[ids[0]] is not None:
                     cur = min(cur, found_length[ids[0]])
                     continue
-                found = manager.find_longest_cache_hit(
-                    manager.group_hashes(block_hashes), cur, ids, lcm)
+                hashes = manager.group_hashes(block_hashes)
+                drop = manager.use_eagle and t not in verified
+                if isinstance(manager, SlidingWindowManager):
+                    found = manager.find_longest_cache_hit(
+                        hashes, min(cur + manager.block_size, limit) if drop else cur, ids,
+                        lcm, drop)
+                else:
+                    # (full attention is looked up once, dropping as EAGLE
+                    # does; Mamba's search drops nothing; no EAGLE with chunks)
+                    found = manager.find_longest_cache_hit(hashes, cur, ids, lcm)
+                if drop:
+                    verified.add(t)
+                elif len(found[0]) * manager.block_size < cur:
+                    verified.clear()    # a shorter candidate: every type drops again
                 cur = len(found[0]) * manager.block_size
                 for g, blocks in zip(ids, found):
                     hits[g] = blocks

@@ -44,8 +44,6 @@ class Semantics:
         for op for it, per its recorded conformance set
         (`PoolConfig` refuses the others, with `missing_types`' reason).
     missing_types: why a type is not in `group_types`.
-    eagle_hybrid: why a pool of the release may not have EAGLE with
-        several groups and caching on ("" where it may).
     """
 
     version: str
@@ -56,7 +54,6 @@ class Semantics:
     common_prefix_blocks: bool
     group_types: frozenset[str]
     missing_types: dict[str, str]
-    eagle_hybrid: str
 
 
 ALL_TYPES = frozenset(("full", "mla", "sink_full", "sliding_window", "chunked_local", "mamba",
@@ -64,8 +61,7 @@ ALL_TYPES = frozenset(("full", "mla", "sink_full", "sliding_window", "chunked_lo
 RELEASES: dict[str, Semantics] = {
     "0.14.0": Semantics("0.14.0", lifo_unhashed_free=False, admission_gate=False,
                         allocates_without_new_tokens=False, stats_at_admission=False,
-                        common_prefix_blocks=True, group_types=ALL_TYPES, missing_types={},
-                        eagle_hybrid=""),
+                        common_prefix_blocks=True, group_types=ALL_TYPES, missing_types={}),
     "0.32.0": Semantics(
         "0.32.0", lifo_unhashed_free=True, admission_gate=True,
         allocates_without_new_tokens=True, stats_at_admission=True,
@@ -76,9 +72,7 @@ RELEASES: dict[str, Semantics] = {
             "sink_full": "vLLM 0.32.0 cannot build its own sink-attention manager (its "
                          "constructor does not take what its coordinator passes), so no "
                          "0.32 engine runs such a model",
-        },
-        eagle_hybrid="kvshm does not reproduce how 0.32's hybrid lookups match and drop "
-                     "EAGLE's extra block yet"),
+        }),
 }
 VLLM_VERSIONS = tuple(RELEASES)
 

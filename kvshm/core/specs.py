@@ -286,11 +286,6 @@ class PoolConfig(msgspec.Struct, frozen=True, kw_only=True):
             if not self.semantics.admission_gate:
                 raise ConfigError("max_in_flight_tokens", f"vLLM {self.vllm_version} has no "
                                   "admission gate (vllm_version = \"0.32.0\" has)")
-        if (self.semantics.eagle_hybrid and self.use_eagle and self.enable_caching
-                and len(self.groups) > 1):
-            raise ConfigError("use_eagle", f"a pool of vLLM {self.vllm_version}'s semantics "
-                              "with several groups and caching on takes no EAGLE: "
-                              f"{self.semantics.eagle_hybrid}")
         if self.dcp_world_size not in (1, 2, 4, 8):
             raise ConfigError("dcp_world_size", "must be 1, 2, 4 or 8")
         if self.hash_algorithm not in HASH_ALGORITHMS:
