@@ -180,12 +180,17 @@ class TraceTranslator:
 
 def _allocate_slots(op):
     get = op.get   # (the trace's flags are JSON booleans)
-    return p.AllocateSlots(
+    msg = p.AllocateSlots(
         op["req"], op["num_new_tokens"], get("num_new_computed_tokens", 0),
         get("use_computed_blocks", False), get("num_lookahead_tokens", 0),
         get("num_external_computed_tokens", 0), get("delay_cache_blocks", False),
-        get("num_encoder_tokens", 0), get("full_sequence_must_fit", False),
-        get("waiting", False), get("has_scheduled_reqs", True))
+        get("num_encoder_tokens", 0))
+    if "waiting" in op or "full_sequence_must_fit" in op or "has_scheduled_reqs" in op:
+        # vLLM 0.32's admission (format version 2; not looked up for the rest)
+        msg = msgspec.structs.replace(
+            msg, full_sequence_must_fit=get("full_sequence_must_fit", False),
+            waiting=get("waiting", False), has_scheduled_reqs=get("has_scheduled_reqs", True))
+    return msg
 
 
 def _lists(groups) -> list[list[int]]:

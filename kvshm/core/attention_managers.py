@@ -211,7 +211,7 @@ class SingleTypeManager:
         end = min(num_full, len(blocks))
         # Which of the blocks from num_cached on to cache (None: all that
         # are not null); the release may cache only those a hit can reach.
-        mask = self.cache_mask(request, num_cached, end)
+        mask = self.cache_mask(request, num_cached, end) if self.masks_cache else None
         # A request may hold fewer blocks than `num_tokens` covers: cache
         # what it holds.  With readiness, blocks past the computed tokens are
         # cached pending (this step computes them).
@@ -252,9 +252,13 @@ class SingleTypeManager:
     def new_step_starts(self) -> None:
         """A scheduler step begins (vLLM 0.32; only its Mamba manager acts)."""
 
+    # Whether `cache_mask` chooses which blocks to cache (0.32's windowed
+    # types: kvshm/core/release_managers.py); else every one not null is.
+    masks_cache = False
+
     def cache_mask(self, request: Request, start: int, end: int) -> list[bool] | None:
         """Which of the request's blocks `start`..`end` - 1 `cache_blocks`
-        caches: None for every one that is not null (all types in 0.14)."""
+        caches (where `masks_cache`)."""
         return None
 
     def mark_computed(self, request_id: str, num_computed_tokens: int) -> None:

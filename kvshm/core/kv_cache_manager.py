@@ -255,7 +255,7 @@ class KVCacheManagerCore:
                        num_lookahead_tokens: int = 0,
                        num_external_computed_tokens: int = 0,
                        delay_cache_blocks: bool = False,
-                       num_encoder_tokens: int = 0, *,
+                       num_encoder_tokens: int = 0,
                        full_sequence_must_fit: bool = False, waiting: bool = False,
                        has_scheduled_reqs: bool = True) -> BlockIds | None:
         """Give the request slots for `num_new_tokens` more tokens (plus
@@ -277,10 +277,14 @@ class KVCacheManagerCore:
         rid = request.request_id
         m = self._plain
         settled_checked = False
-        watermark = (self._watermark_blocks if waiting and has_scheduled_reqs else 0)
-        gate = self._gate and (full_sequence_must_fit or watermark > 0)
-        if gate:
-            m = None    # the shortest paths below know no gate
+        gate = False
+        watermark = 0
+        if self._gate:
+            if waiting and has_scheduled_reqs:
+                watermark = self._watermark_blocks
+            if full_sequence_must_fit or watermark:
+                gate = True
+                m = None    # the shortest paths below know no gate
         if (m is not None and new_computed_blocks is None and num_new_tokens > 0
                 and num_lookahead_tokens >= 0
                 and not num_new_computed_tokens | num_external_computed_tokens

@@ -66,6 +66,8 @@ class ReachableSlidingWindowManager(SlidingWindowManager):
     admits a request needing at most its window and the tokens in flight
     (+1 block: a window need not start on a block's first token)."""
 
+    masks_cache = True
+
     def __init__(self, spec: SlidingWindowSpec, group_id, pool, table, config) -> None:
         super().__init__(spec, group_id, pool, table, config)
         # Contiguous blocks a hit needs (EAGLE: one more, dropped after).
@@ -132,6 +134,8 @@ class StepMambaManager(MambaManager):
     (`new_step_starts` begins one): its state may not be written yet.  The
     step's cached hashes live in this process only, so a coordinator
     restarted mid-step admits such a request at once."""
+
+    masks_cache = True
 
     def __init__(self, spec: MambaSpec, group_id, pool, table, config) -> None:
         super().__init__(spec, group_id, pool, table, config)

@@ -390,8 +390,7 @@ class OpExecutor:
             st.request, op.num_new_tokens, op.num_new_computed_tokens,
             st.hits if op.use_computed_blocks else None, op.num_lookahead_tokens,
             op.num_external_computed_tokens, op.delay_cache_blocks, op.num_encoder_tokens,
-            full_sequence_must_fit=op.full_sequence_must_fit, waiting=op.waiting,
-            has_scheduled_reqs=op.has_scheduled_reqs)
+            op.full_sequence_must_fit, op.waiting, op.has_scheduled_reqs)
         if res is None and mgr.refused_by_floor:
             self.tenants.refused(owner.slot)
         if not st.claimed:
