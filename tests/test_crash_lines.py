@@ -45,6 +45,8 @@ CONFIGS = {
     # the free queue (stamps counting down), admissions pass the gate.
     "full-0.32": make_config(num_blocks=40, max_num_seqs=8, vllm_version="0.32.0",
                              watermark=0.05),
+    "hybrid-0.32": make_config(groups=(FullSpec(4), SlidingWindowSpec(4, 8)), num_blocks=48,
+                               max_num_seqs=8, vllm_version="0.32.0", max_in_flight_tokens=8),
 }
 # "lines" (CI): the first event of each distinct line of the script, before
 # and after its frame's first undo entry; "frames": of each such line of

@@ -435,14 +435,24 @@ class SlidingWindowManager(SingleTypeManager):
     def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
         return max(0, num_computed_tokens - self.sliding_window + 1)
 
-    def find_longest_cache_hit(self, hashes, max_length, group_ids, alignment):
+    # vLLM 0.32 (kvshm/core/release_managers.py): a hit that is to lose
+    # EAGLE's block must end aligned once it has, and is aligned again after
+    # the drop; 0.14 aligns the end of the run it finds.
+    realign_eagle = False
+
+    def find_longest_cache_hit(self, hashes, max_length, group_ids, alignment,
+                               drop_eagle: bool | None = None):
+        """`drop_eagle`: whether EAGLE's extra block is matched and dropped
+        in this search (a 0.32 hybrid search says; default: with EAGLE)."""
+        drop = self.use_eagle if drop_eagle is None else drop_eagle
         bs = self.block_size
         pool = self.pool
         # Contiguous blocks needed: the window minus the token being computed;
         # EAGLE needs one more, dropped at the end.
-        needed = -(-(self.sliding_window - 1) // bs) + (1 if self.use_eagle else 0)
+        needed = -(-(self.sliding_window - 1) // bs) + (1 if drop else 0)
         max_blocks = max_length // bs
         computed = [[NULL_BLOCK] * max_blocks for _ in group_ids]
+        end_shift = 0 if drop and self.realign_eagle else 1
         run = 0
         found = False
         # Right to left: stop at the first long-enough run of hits.
@@ -451,28 +461,28 @@ class SlidingWindowManager(SingleTypeManager):
             if blocks is None:
                 run = 0
                 continue
-            if run == 0 and bs != alignment and (i + 1) * bs % alignment:
+            if run == 0 and bs != alignment and (i + end_shift) * bs % alignment:
                 continue  # a hit must end on an aligned boundary
             for c, b in zip(computed, blocks):
                 c[i] = b
             run += 1
             if run >= needed:
-                for c in computed:
-                    del c[i + run:]
                 found = True
                 break
-        if not found:
-            # Only a run starting at block 0 counts as a (short) hit.
-            for c in computed:
-                del c[run:]
-            if bs != alignment:
-                keep = len(computed[0]) * bs // alignment * alignment // bs
-                for c in computed:
-                    del c[keep:]
-        if self.use_eagle and computed[0]:
-            for c in computed:
-                c.pop()
+        # Not found: only a run starting at block 0 counts as a (short) hit.
+        keep = i + run if found else self._aligned(run, alignment)
+        if drop and keep:
+            keep -= 1
+            if self.realign_eagle:
+                keep = self._aligned(keep, alignment)
+        for c in computed:
+            del c[keep:]
         return computed
+
+    def _aligned(self, num_blocks: int, alignment: int) -> int:
+        """The most of `num_blocks` blocks a hit aligned to `alignment` keeps."""
+        bs = self.block_size
+        return num_blocks if bs == alignment else num_blocks * bs // alignment * alignment // bs
 
 
 class ChunkedLocalManager(SingleTypeManager):

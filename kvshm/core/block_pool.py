@@ -180,37 +180,31 @@ class BlockPool:
         self.num_free_blocks -= 1
 
     def _append_n(self, blocks: list[int]) -> None:
-        nxt, prv, stamp = self._next, self._prev, self._free_stamp
         s = self._sentinel
-        last = s + prv[s]
         t = self._next_free_stamp
-        for b in blocks:
-            prv[b] = last - b
-            nxt[last] = b - last
-            stamp[b] = t
-            t += 1
-            last = b
-        nxt[last] = s - last
-        prv[s] = last - s
-        self._next_free_stamp = t
-        self.num_free_blocks += len(blocks)
+        self._next_free_stamp = t + len(blocks)
+        self._link(s + self._prev[s], s, blocks, t)
 
     def _prepend_n(self, blocks: list[int]) -> None:
         # blocks[0] becomes the head: the next block allocated.
-        nxt, prv, stamp = self._next, self._prev, self._free_stamp
         s = self._sentinel
-        first = s + nxt[s]
-        t = self._front_free_stamp - len(blocks)
-        self._front_free_stamp = t
-        last = s
+        t = self._front_free_stamp = self._front_free_stamp - len(blocks)
+        self._link(s, s + self._next[s], blocks, t)
+
+    def _link(self, after: int, before: int, blocks: list[int], t: int) -> None:
+        """Put `blocks` into the free queue between nodes `after` and
+        `before` (neighbours; the sentinel is both ends), with free stamps
+        from `t` on."""
+        nxt, prv, stamp = self._next, self._prev, self._free_stamp
+        last = after
         for b in blocks:
             prv[b] = last - b
             nxt[last] = b - last
             stamp[b] = t
             t += 1
             last = b
-        nxt[last] = first - last
-        prv[first] = last - first
+        nxt[last] = before - last
+        prv[before] = last - before
         self.num_free_blocks += len(blocks)
 
     def free_queue(self, limit: int | None = None) -> list[int]:

@@ -29,7 +29,7 @@ from __future__ import annotations
 from kvshm.core.attention_managers import (MANAGER_CLASSES, ChunkedLocalManager,
                                            MambaManager, SingleTypeManager,
                                            SlidingWindowManager)
-from kvshm.core.block_pool import NULL_BLOCK, BlockPool
+from kvshm.core.block_pool import BlockPool
 from kvshm.core.request import Request
 from kvshm.core.specs import (ChunkedLocalSpec, GroupSpec, MambaSpec, PoolConfig,
                               SlidingWindowSpec)
@@ -67,6 +67,7 @@ class ReachableSlidingWindowManager(SlidingWindowManager):
     (+1 block: a window need not start on a block's first token)."""
 
     masks_cache = True
+    realign_eagle = True
 
     def __init__(self, spec: SlidingWindowSpec, group_id, pool, table, config) -> None:
         super().__init__(spec, group_id, pool, table, config)
@@ -75,46 +76,6 @@ class ReachableSlidingWindowManager(SlidingWindowManager):
                            + (1 if self.use_eagle else 0))
         held = min(spec.sliding_window - 1 + _in_flight(config), config.max_model_len)
         self.admission_cap = -(-held // spec.block_size) + 1
-
-    def find_longest_cache_hit(self, hashes, max_length, group_ids, alignment,
-                               drop_eagle: bool | None = None):
-        """As 0.14's, but a hybrid search says whether EAGLE's block is
-        dropped in this call (`drop_eagle`; default: whenever EAGLE is on),
-        a hit that is to lose that block must end aligned once it has,
-        and the hit is aligned again after the drop."""
-        drop = self.use_eagle if drop_eagle is None else drop_eagle
-        bs, pool = self.block_size, self.pool
-        needed = self.hit_blocks - (1 if self.use_eagle and not drop else 0)
-        max_blocks = max_length // bs
-        computed = [[NULL_BLOCK] * max_blocks for _ in group_ids]
-        run, found = 0, False
-        for i in range(max_blocks - 1, -1, -1):
-            blocks = pool.get_cached_block(hashes[i], group_ids)
-            if blocks is None:
-                run = 0
-                continue
-            if run == 0 and bs != alignment and ((i if drop else i + 1) * bs) % alignment:
-                continue
-            for c, b in zip(computed, blocks):
-                c[i] = b
-            run += 1
-            if run >= needed:
-                for c in computed:
-                    del c[i + run:]
-                found = True
-                break
-        keep = len(computed[0])
-        if not found:      # a run from block 0 is a (short) hit, aligned
-            keep = self._aligned(run, alignment)
-        if drop and keep:
-            keep = self._aligned(keep - 1, alignment)
-        for c in computed:
-            del c[keep:]
-        return computed
-
-    def _aligned(self, num_blocks: int, alignment: int) -> int:
-        bs = self.block_size
-        return num_blocks if bs == alignment else num_blocks * bs // alignment * alignment // bs
 
     def cache_mask(self, request: Request, start: int, end: int) -> list[bool]:
         bs, need, align = self.block_size, self.hit_blocks, self.hit_alignment
