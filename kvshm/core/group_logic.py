@@ -265,9 +265,9 @@ class Hybrid(GroupLogic):
 
 
 class AlignedHybrid(Hybrid):
-    """vLLM 0.32's hybrid logic (without EAGLE).  Hits and caching align
-    to the scheduler block, the lcm of the block sizes: every group caches
-    only up to a multiple of it.  The search looks up full attention once
+    """vLLM 0.32's hybrid logic.  Hits and caching align to the scheduler
+    block, the lcm of the block sizes: every group caches only up to a
+    multiple of it (with EAGLE, one block more).  The search looks up full attention once
     (later rounds only cap the length by its hit, and its blocks are cut
     to the final length at the end, rounding up), ends after one round for
     full attention plus one other type, and reports how far past the hit

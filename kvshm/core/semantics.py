@@ -4,7 +4,10 @@ A pool names its release (`PoolConfig.vllm_version`, "0.14.0" unless
 told), and the core reproduces that release's KV-cache manager.  Where two
 releases differ, the difference is one attribute of the release's
 `Semantics` here, read by the one place in the core that acts on it
-(named per attribute); nothing else in the core asks which release a pool
+(named per attribute), or, where a whole algorithm differs, a class of
+the release's: its per-type managers (`RELEASE_MANAGERS`,
+core/release_managers.py) and its hybrid logic (`HYBRID_LOGIC`,
+core/group_logic.py).  Nothing else in the core asks which release a pool
 is.  docs/vllm.md ("vLLM 0.32 against 0.14") lists what differs and why.
 """
 
