@@ -26,6 +26,7 @@ import msgspec
 
 from kvshm.core.errors import ConfigError
 from kvshm.core.hashing import DEFAULT_HASH_SEED, HASH_ALGORITHMS
+from kvshm.core.semantics import DEFAULT_VLLM_VERSION, VLLM_VERSIONS
 from kvshm.core.specs import (
     CrossAttentionSpec,
     FullSpec,
@@ -171,7 +172,8 @@ class PoolSource(msgspec.Struct, frozen=True, kw_only=True):
     `vllm_model` (a model directory; `block_size`, `dtype` and
     `max_model_len` go with it only); none of them means the caller's default
     preset.  Its size is `num_blocks` or `kv_memory` (bytes, or a size such as
-    "4G"), not both.  `hash_algorithm` and `hash_seed` override the shape's.
+    "4G"), not both.  `hash_algorithm`, `hash_seed` and `vllm_version` (the
+    vLLM release whose semantics the pool reproduces) override the shape's.
     """
 
     preset: str | None = None
@@ -184,6 +186,7 @@ class PoolSource(msgspec.Struct, frozen=True, kw_only=True):
     block_size: int | None = None
     dtype: str | None = None
     max_model_len: int | None = None
+    vllm_version: str | None = None
 
     @classmethod
     def from_args(cls, args) -> "PoolSource":
@@ -225,6 +228,10 @@ def add_pool_arguments(p: argparse.ArgumentParser, *, vllm: bool = True,
                        "need vllm-sha256 or vllm-sha256-cbor)")
         p.add_argument("--hash-seed", help="block hash seed (overrides the config's; for "
                        "vLLM algorithms the engines' PYTHONHASHSEED)")
+    p.add_argument("--vllm-version", choices=VLLM_VERSIONS,
+                   help="the vLLM release whose allocation semantics the pool reproduces "
+                   f"(overrides the config's; default {DEFAULT_VLLM_VERSION}; its engines "
+                   "must run it)")
     size = p.add_mutually_exclusive_group()
     size.add_argument("--num-blocks", type=int, help="pool size in blocks")
     size.add_argument("--kv-memory",
@@ -284,9 +291,9 @@ def resolve_config(source: PoolSource, *, default_preset: str | None = None,
     if need_kv and config.kv is None:
         raise ConfigError("kv", f"{source.config_file} has no [kv] shape: workers need a "
                           "KV arena")
-    hashing = {f: getattr(source, f) for f in ("hash_algorithm", "hash_seed")
-               if getattr(source, f) is not None}
-    config = config.replace(**hashing) if hashing else config
+    chosen = {f: getattr(source, f) for f in ("hash_algorithm", "hash_seed", "vllm_version")
+              if getattr(source, f) is not None}
+    config = config.replace(**chosen) if chosen else config
     if config.hash_seed == DEFAULT_HASH_SEED:
         # A vLLM algorithm with kvshm's own default seed: no engine could
         # join.  A seed chosen on purpose (the oracle's, for replays) is

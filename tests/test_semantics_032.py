@@ -319,3 +319,17 @@ def test_a_hybrid_lookup_reports_the_prefix_a_window_has_not_cached():
         sw_b = m.get_block_ids("b")[1]
         assert m.block_pool.block_hash(sw_b[3]) is not None       # reaches 16
         assert_clean(m)
+
+
+def test_serve_s_flag_names_the_pool_s_release():
+    """`--vllm-version` (kvshm serve, kvshm run) overrides the shape's."""
+    import argparse
+    from kvshm.config import PoolSource, add_pool_arguments, resolve_config
+    ap = argparse.ArgumentParser()
+    add_pool_arguments(ap)
+    args = ap.parse_args(["--preset", "tiny", "--vllm-version", "0.32.0", "--num-blocks", "64"])
+    assert resolve_config(PoolSource.from_args(args)).vllm_version == "0.32.0"
+    args = ap.parse_args(["--preset", "tiny", "--num-blocks", "64"])
+    assert resolve_config(PoolSource.from_args(args)).vllm_version == "0.14.0"
+    with pytest.raises(SystemExit):
+        ap.parse_args(["--preset", "tiny", "--vllm-version", "0.20.0"])

@@ -458,3 +458,21 @@ def test_the_trace_recorder_s_0_14_traces_replay_on_kvshm(tmp_path):
         assert cfg["meta"]["recorded_from"] == "vllm 0.14.0" and cfg["version"] == 1
         mismatch = replay_trace(cfg, ops)
         assert mismatch is None, f"{path.name}: {mismatch}"
+
+
+def test_an_engine_on_a_pool_of_another_release_is_refused_naming_both(model_dir, tmp_path):
+    """A 0.14 engine pointed at a pool that reproduces vLLM 0.32's
+    semantics is refused at the handshake, both releases named, and the
+    pool is left as it was."""
+    from kvshm.config import model_pool_config
+    from kvshm.service.process import CoordinatorProcess
+    config = model_pool_config(model_dir, kv_memory=64 << 20, block_size=BLOCK,
+                               max_model_len=2048).replace(vllm_version="0.32.0")
+    with CoordinatorProcess(config) as proc:
+        a_wl, _ = prefix_workloads()
+        run = run_engine(model_dir, a_wl, tmp_path, "old", pool=str(proc.socket), check=False)
+        assert run.returncode != 0
+        assert ("this pool reproduces vLLM 0.32.0's allocation semantics, not vLLM 0.14.0's, "
+                "the engine's") in run.stderr_text
+        stats = pool_stats(proc)
+        assert stats["num_requests"] == 0
