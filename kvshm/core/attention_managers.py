@@ -431,6 +431,9 @@ class SlidingWindowManager(SingleTypeManager):
     def __init__(self, spec: SlidingWindowSpec, *args) -> None:
         super().__init__(spec, *args)
         self.sliding_window = spec.sliding_window
+        # Contiguous blocks a hit needs: the window minus the token being
+        # computed (EAGLE needs one more, dropped at the end).
+        self.window_blocks = -(-(spec.sliding_window - 1) // self.block_size)
 
     def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
         return max(0, num_computed_tokens - self.sliding_window + 1)
@@ -447,9 +450,7 @@ class SlidingWindowManager(SingleTypeManager):
         drop = self.use_eagle if drop_eagle is None else drop_eagle
         bs = self.block_size
         pool = self.pool
-        # Contiguous blocks needed: the window minus the token being computed;
-        # EAGLE needs one more, dropped at the end.
-        needed = -(-(self.sliding_window - 1) // bs) + (1 if drop else 0)
+        needed = self.window_blocks + (1 if drop else 0)
         max_blocks = max_length // bs
         computed = [[NULL_BLOCK] * max_blocks for _ in group_ids]
         end_shift = 0 if drop and self.realign_eagle else 1

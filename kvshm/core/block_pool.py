@@ -11,8 +11,9 @@ prefix-cache hit on a free block takes it out of the middle.  Pools of vLLM
 0.32's semantics (`Semantics.lifo_unhashed_free`) put a freed block that is
 not cached at the head instead, to be reused first.  Each block's free
 stamp orders the queue (the head's is the smallest): appended blocks take
-stamps counting up, prepended ones stamps counting down below the head's.  Blocks in the
-free queue keep their hash until they are reused (evicted on allocation).
+stamps counting up, prepended ones stamps counting down below the head's.
+Blocks in the free queue keep their hash until they are reused (evicted on
+allocation).
 The map does not deduplicate: several blocks may be cached under one hash,
 and lookups return the earliest cached one.
 

@@ -17,7 +17,6 @@ from kvshm.core.attention_managers import (CrossAttentionManager, SingleTypeMana
 from kvshm.core.release_managers import make_manager
 from kvshm.core.request import Request
 from kvshm.core.specs import FULL_ATTENTION_TYPES, PoolConfig, attention_types
-from kvshm.core.state import FLAG_CACHED
 from kvshm.core.table import RequestTable
 
 BlockIds = tuple[list[int], ...]
@@ -160,14 +159,14 @@ class GroupLogic:
     def estimate_cached_tokens(self, request_id: str) -> int:
         """Per prefix-cached group (not cross-attention) the end of the last
         cached block the request holds, the least over groups; 0 if none."""
-        flags = self.pool.segment.flags
+        cached = self.pool.block_hash
         least = None
         for m, cross in zip(self.managers, self.cross):
             if cross:
                 continue
             end = 0
             for i, b in enumerate(m.req_to_blocks.get(request_id, ())):
-                if b and flags[b] & FLAG_CACHED:
+                if b and cached(b) is not None:
                     end = (i + 1) * m.block_size
             least = end if least is None or end < least else least
         return least or 0

@@ -71,14 +71,12 @@ class ReachableSlidingWindowManager(SlidingWindowManager):
 
     def __init__(self, spec: SlidingWindowSpec, group_id, pool, table, config) -> None:
         super().__init__(spec, group_id, pool, table, config)
-        # Contiguous blocks a hit needs (EAGLE: one more, dropped after).
-        self.hit_blocks = (-(-(spec.sliding_window - 1) // self.block_size)
-                           + (1 if self.use_eagle else 0))
         held = min(spec.sliding_window - 1 + _in_flight(config), config.max_model_len)
         self.admission_cap = -(-held // spec.block_size) + 1
 
     def cache_mask(self, request: Request, start: int, end: int) -> list[bool]:
-        bs, need, align = self.block_size, self.hit_blocks, self.hit_alignment
+        bs, align = self.block_size, self.hit_alignment
+        need = self.window_blocks + (1 if self.use_eagle else 0)
         shift = 1 if self.use_eagle else 0
         mask = [False] * (end - start)
         for boundary in reachable(request, align, self.use_eagle):

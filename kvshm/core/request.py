@@ -11,7 +11,12 @@ from collections.abc import Iterable, Sequence
 
 from kvshm.core.errors import InvalidArgument
 from kvshm.core.extra_keys import MultiModalFeature, check_mm_features, embeds_rows
-from kvshm.core.hashing import VLLM_TOKEN_RANGE, BlockHasher
+from kvshm.core.hashing import VLLM_TOKEN_RANGE, BlockHasher, TokenRange
+
+
+def _token_range(hasher: BlockHasher | None) -> TokenRange:
+    """The token ids a request of `hasher` takes (any 64-bit id unhashed)."""
+    return VLLM_TOKEN_RANGE if hasher is None else hasher.token_range
 
 
 class Request:
@@ -43,8 +48,7 @@ class Request:
                  "num_computed_tokens",
                  "block_hashes", "lora_name", "cache_salt", "mm_features", "prompt_embeds",
                  "skip_reading_prefix_cache", "num_preemptions", "shared_prefix_boundary",
-                 "_hasher", "_extra",
-                 "_parent", "_tokens")
+                 "_hasher", "_extra", "_parent", "_tokens")
 
     def __init__(
         self,
@@ -61,7 +65,7 @@ class Request:
         tokens = None
         if prompt_token_ids is not None:
             tokens = list(prompt_token_ids)
-            (VLLM_TOKEN_RANGE if hasher is None else hasher.token_range).check(tokens)
+            _token_range(hasher).check(tokens)
         embeds, row_bytes = None, 0
         if prompt_embeds is not None:
             embeds, row_bytes = embeds_rows(prompt_embeds, None if tokens is None else len(tokens))
@@ -116,7 +120,7 @@ class Request:
         # (KVCacheManagerCore.get_computed_blocks sets it; 0: none).
         self.shared_prefix_boundary = 0
         self._hasher = hasher
-        self._tokens = VLLM_TOKEN_RANGE if hasher is None else hasher.token_range
+        self._tokens = _token_range(hasher)
         self._extra = (None if hasher is None else
                        hasher.extra_keys(lora_name, cache_salt, features, embeds, row_bytes))
         self.block_hashes: list[bytes] = []
