@@ -103,7 +103,8 @@ class TraceTranslator:
             prompt = self.tokens[op["prefix"]["req"]][:op["prefix"]["len"]] + prompt
         self.tokens[op["req"]] = list(prompt)  # grows with advances; the message must not
         return p.AddRequest(op["req"], prompt, None, 0, get("lora_name"),
-                            get("cache_salt"), bool(get("skip_prefix_cache_read")))
+                            get("cache_salt"), bool(get("skip_prefix_cache_read")),
+                            lora_path=get("lora_path"))
 
     def _advance(self, op):
         append = op.get("append")
@@ -185,11 +186,13 @@ def _allocate_slots(op):
         get("use_computed_blocks", False), get("num_lookahead_tokens", 0),
         get("num_external_computed_tokens", 0), get("delay_cache_blocks", False),
         get("num_encoder_tokens", 0))
-    if "waiting" in op or "full_sequence_must_fit" in op or "has_scheduled_reqs" in op:
+    if ("waiting" in op or "full_sequence_must_fit" in op or "has_scheduled_reqs" in op
+            or "reserved_blocks" in op):
         # vLLM 0.32's admission (format version 2; not looked up for the rest)
         msg = msgspec.structs.replace(
             msg, full_sequence_must_fit=get("full_sequence_must_fit", False),
-            waiting=get("waiting", False), has_scheduled_reqs=get("has_scheduled_reqs", True))
+            waiting=get("waiting", False), has_scheduled_reqs=get("has_scheduled_reqs", True),
+            reserved_blocks=get("reserved_blocks", 0))
     return msg
 
 

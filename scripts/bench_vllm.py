@@ -4,6 +4,10 @@ workload: one shared kvshm pool against each engine's own prefix cache.
 
     .venv-vllm/bin/python scripts/bench_vllm.py [--workload chat|rag|unique]
         [--sequential] [--engines 2] [--model small] [--out bench-results]
+    .venv-vllm-0.32.0/bin/python scripts/bench_vllm.py ...     # on vLLM 0.32.0
+
+It runs on the vLLM of the environment it is started in (0.14.0 or 0.32.0:
+the shared pool reproduces that release's semantics) and says which.
 
 Workloads, routed round robin:
 
@@ -58,6 +62,7 @@ from kvshm.config import model_pool_config, parse_size
 from kvshm.core.errors import ConfigError
 from kvshm.core.metrics import percentile, read_metrics
 from kvshm.pool.segment import PoolSegment
+from kvshm.vllm.release import SUPPORTED_VLLM, vllm_release
 from kvshm.service.process import CoordinatorProcess
 from kvshm.vllm.engine import workload_json
 from kvshm.vllm.model import write_tiny_model
@@ -239,6 +244,13 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--out", default=str(RESULTS))
     args = ap.parse_args(argv)
+    release = vllm_release()
+    if release not in SUPPORTED_VLLM:
+        print(f"bench_vllm.py: runs on vLLM {', '.join(SUPPORTED_VLLM)}, not "
+              f"{release or 'none'} (start it with .venv-vllm/bin/python or "
+              ".venv-vllm-0.32.0/bin/python)", file=sys.stderr)
+        return 2
+    print(f"vLLM {release}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     cpu_plan = plan(args.engines)
@@ -256,8 +268,10 @@ def main(argv=None) -> int:
         if args.sequential:
             work = one_at_a_time(work)
         config = model_pool_config(model, kv_memory=args.kv_memory, block_size=BLOCK,
-                                   max_model_len=4096, dtype=args.dtype)
-        result = {"workload": args.workload, "sequential": args.sequential,
+                                   max_model_len=4096, dtype=args.dtype
+                                   ).replace(vllm_version=release)
+        result = {"vllm_version": release, "workload": args.workload,
+                  "sequential": args.sequential,
                   "engines": args.engines, "model": args.model, "dtype": args.dtype,
                   "requests": sum(len(ph) for wl in work for ph in wl["phases"]),
                   "pool_blocks": config.num_blocks, "plan_notes": cpu_plan.notes}

@@ -1,11 +1,14 @@
 #!/usr/bin/env python3
-"""Record block hashes computed by vLLM 0.14's own code for requests with
-multimodal features, prompt embeds, LoRA names and cache salts, as test
-vectors for kvshm's `vllm-sha256` and `vllm-sha256-cbor` hashing.
+"""Record block hashes computed by the installed vLLM's own code (0.14.0 or
+0.32.0) for requests with multimodal features, prompt embeds, LoRA names
+and cache salts, as test vectors for kvshm's `vllm-sha256` and
+`vllm-sha256-cbor` hashing (on a pool of that release's semantics: 0.32
+tags its extra keys and hashes the LoRA's path).
 
     .venv-vllm/bin/python scripts/record_vllm_hashes.py OUT.json [--seed 0] [--random 40]
+    .venv-vllm-0.32.0/bin/python scripts/record_vllm_hashes.py OUT.json
 
-Runs in the vLLM environment (./scripts/vllm_env.sh).  Each case is a
+Runs in a vLLM environment (./scripts/vllm_env.sh [VERSION]).  Each case is a
 request as vLLM's scheduler sees it: a prompt (token ids, or prompt embeds
 with vLLM's zero placeholder ids), its multimodal placeholders (offset,
 length, item hash), then tokens appended step by step; vLLM's request block
@@ -18,9 +21,11 @@ placeholders, as vLLM's own multimodal prefix-caching test writes them, and
 ids across the 64-bit range); `--random N` adds N random cases drawn with
 `--seed`.
 
-tests/data/vllm_mm_block_hashes.json was written by this script (seed 0);
-tests/test_vllm.py also runs it with a fresh seed and compares kvshm's
-hashes to vLLM's on the spot.
+tests/data/vllm_mm_block_hashes.json (0.14.0) and
+tests/data/conformance-0.32.0/vllm_mm_block_hashes.json (0.32.0) were
+written by this script (seed 0); tests/test_vllm.py also runs it with a
+fresh seed on each release and compares kvshm's hashes to vLLM's on the
+spot.  Each case names its release (`vllm_version`).
 """
 
 from __future__ import annotations
@@ -121,7 +126,9 @@ def record(cases: list[dict], rng: random.Random) -> list[dict]:
     from vllm.utils.hashing import get_hash_fn_by_name
     from vllm.v1.core import kv_cache_utils
     from vllm.v1.request import Request
+    from vllm.version import __version__
 
+    release = __version__.split("+", 1)[0]
     out = []
     for algorithm, vllm_name in ALGORITHMS.items():
         for seed in ("0", "kvshm-oracle-0"):
@@ -129,7 +136,8 @@ def record(cases: list[dict], rng: random.Random) -> list[dict]:
             os.environ["PYTHONHASHSEED"] = seed
             kv_cache_utils.init_none_hash(fn)
             for c in cases:
-                c = dict(c, algorithm=algorithm, seed=seed)
+                c = dict(c, algorithm=algorithm, seed=seed, vllm_version=release,
+                         lora_path="/adapters/" + c["lora_name"] if c["lora_name"] else None)
                 n = c["prompt_len"]
                 embeds = None
                 if c["embeds"]:
@@ -144,7 +152,8 @@ def record(cases: list[dict], rng: random.Random) -> list[dict]:
                 features = [MultiModalFeatureSpec(data=None, modality="image", identifier=ident,
                                                   mm_position=PlaceholderRange(off, length))
                             for off, length, ident in c["mm_features"]]
-                lora = LoRARequest(c["lora_name"], 1, "/nonexistent") if c["lora_name"] else None
+                lora = (LoRARequest(c["lora_name"], 1, c["lora_path"]) if c["lora_name"]
+                        else None)
                 hasher = kv_cache_utils.get_request_block_hasher(c["block_size"], fn)
                 req = Request(f"r{len(out)}", c["prompt"], SamplingParams(max_tokens=1), None,
                               None, prompt_embeds=embeds, mm_features=features,
@@ -169,8 +178,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     rng = random.Random(args.seed)
     cases = hand_cases() + random_cases(rng, args.random)
-    vectors = {"source": "vLLM 0.14.0 v1/core/kv_cache_utils.get_request_block_hasher on "
-                         "v1/request.Request, recorded by scripts/record_vllm_hashes.py",
+    from vllm.version import __version__
+    vectors = {"source": f"vLLM {__version__} v1/core/kv_cache_utils.get_request_block_hasher "
+                         "on v1/request.Request, recorded by scripts/record_vllm_hashes.py",
                "seed": args.seed, "cases": record(cases, rng)}
     with open(args.out, "w") as f:
         json.dump(vectors, f, indent=0)

@@ -188,7 +188,8 @@ class Simulation:
                 base, room = 0, self.max_tokens - 1
             prompt = prompt[:max(1, room - 1)] or [1]
             if rng.random() < k.get("lora_p", 0):
-                fields["lora_name"] = f"lora{rng.randrange(2)}"
+                fields["lora_name"] = name = f"lora{rng.randrange(2)}"
+                fields["lora_path"] = f"/loras/{name}"
             if rng.random() < k.get("salt_p", 0):
                 fields["cache_salt"] = f"salt{rng.randrange(2)}"
             if rng.random() < k.get("skip_p", 0):

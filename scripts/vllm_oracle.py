@@ -5,6 +5,7 @@ for debugging a kvshm mismatch against the release that recorded a trace.
 
     .venv-vllm-0.32.0/bin/python scripts/vllm_oracle.py tests/data/conformance-0.32.0/traces
     .venv-vllm/bin/python scripts/vllm_oracle.py TRACE.jsonl.gz        # 0.14.0's traces
+    .venv-vllm-0.32.0/bin/python scripts/vllm_oracle.py --events OUT TRACES   # + KV events
 
 Runs in a vLLM environment (./scripts/vllm_env.sh [VERSION]), on the
 release's code as installed: nothing is patched.  `Release` builds a
@@ -14,7 +15,10 @@ prefill lookahead and the watermark from the line); `Driver` runs one op on
 it and returns what the release answered in the trace's `expect` shape.
 Replaying prints the first op whose answer differs from the trace's; a
 trace replays on the release that recorded it, so a difference there is a
-bug of the recorder.
+bug of the recorder.  `--events DIR` also writes, per trace whose pool
+caches, the KV events the release's manager emitted (`take_events()` after
+every op, as a subscriber decodes them) in the event-stream format of
+tests/data/conformance/EVENTS.md.
 """
 
 from __future__ import annotations
@@ -73,13 +77,13 @@ class Release:
         }[t]
         return cls(block_size=bs, **attn, **{f: g[f] for f in fields})
 
-    def manager(self, cfg: dict):
+    def manager(self, cfg: dict, events: bool = False):
         ki = self.ki
         groups = [ki.KVCacheGroupSpec(layer_names=[f"model.layers.{i}"], kv_cache_spec=self.spec(g))
                   for i, g in enumerate(cfg["groups"])]
         common = dict(max_model_len=cfg["max_model_len"], hash_block_size=cfg["hash_block_size"],
                       enable_caching=cfg["enable_caching"], use_eagle=cfg["use_eagle"],
-                      log_stats=False, enable_kv_cache_events=False,
+                      log_stats=False, enable_kv_cache_events=events,
                       dcp_world_size=cfg["dcp_world_size"], pcp_world_size=1,
                       metrics_collector=None)
         if not self.v32:
@@ -99,9 +103,9 @@ class Driver:
     """One manager and the request objects a scheduler holds; `apply` runs a
     trace op on them and returns (and keeps) the op with its expect."""
 
-    def __init__(self, release: Release, cfg: dict) -> None:
+    def __init__(self, release: Release, cfg: dict, events: bool = False) -> None:
         self.r, self.cfg = release, cfg
-        self.mgr = release.manager(cfg)
+        self.mgr = release.manager(cfg, events)
         self.pool = self.mgr.block_pool
         self.hasher = (release.utils.get_request_block_hasher(cfg["hash_block_size"], release.sha256)
                        if cfg["enable_caching"] else None)
@@ -127,7 +131,7 @@ class Driver:
         lora = None
         if op.get("lora_name"):
             lid = self.lora_ids.setdefault(op["lora_name"], len(self.lora_ids) + 1)
-            lora = self.r.LoRARequest(op["lora_name"], lid, f"/loras/{op['lora_name']}")
+            lora = self.r.LoRARequest(op["lora_name"], lid, op.get("lora_path", ""))
         positional = (self.r.params, None) + (() if self.r.v32 else (None,))  # 0.14: eos_token_id
         req = self.r.Request(op["req"], prompt, *positional, lora_request=lora,
                              cache_salt=op.get("cache_salt"), block_hasher=self.hasher)
@@ -158,7 +162,8 @@ class Driver:
                   num_encoder_tokens=op.get("num_encoder_tokens", 0))
         if self.r.v32:
             kw.update(full_sequence_must_fit=op.get("full_sequence_must_fit", False),
-                      has_scheduled_reqs=op.get("has_scheduled_reqs", True))
+                      has_scheduled_reqs=op.get("has_scheduled_reqs", True),
+                      reserved_blocks=op.get("reserved_blocks", 0))
             status = self.r.RequestStatus
             req.status = status.WAITING if op.get("waiting") else status.RUNNING
         res = self.mgr.allocate_slots(req, op["num_new_tokens"], **kw)
@@ -219,13 +224,17 @@ def load(path: Path) -> tuple[dict, list[dict]]:
     return lines[0], lines[1:]
 
 
-def replay(release: Release, path: Path) -> str | None:
+def replay(release: Release, path: Path, events: Path | None = None) -> str | None:
     """None when every op of the trace at `path` gets its recorded answer,
-    else the first difference."""
+    else the first difference.  `events`: write the manager's KV events
+    (of a pool that caches) to this directory."""
+    import msgspec
     cfg, ops = load(path)
     if cfg.get("vllm_version", "0.14.0") != release.version:
         return f"recorded from vLLM {cfg.get('vllm_version', '0.14.0')}, this is {release.version}"
-    driver = Driver(release, cfg)
+    events = events if events is not None and cfg["enable_caching"] else None
+    driver = Driver(release, cfg, events is not None)
+    stream = []
     for n, op in enumerate(ops, start=2):
         want = op.get("expect")
         got = driver.apply({k: v for k, v in op.items() if k != "expect"})
@@ -233,17 +242,34 @@ def replay(release: Release, path: Path) -> str | None:
                 else abs(want["usage"] - got["usage"]) <= 1e-9)
         if not same:
             return f"line {n} ({op['op']} {op.get('req', '')}): recorded {want}, now {got}"
+        if events is not None:
+            got_events = driver.mgr.take_events()
+            if got_events:
+                stream.append({"line": n, "events": msgspec.msgpack.decode(
+                    msgspec.msgpack.encode(got_events))})
+    if events is not None:
+        name = path.name.split(".")[0]
+        header = {"kind": "events", "trace": name, "recorded_from": f"vllm {release.version}",
+                  "int_block_hashes": True, "num_groups": len(cfg["groups"]),
+                  "num_events": sum(len(row["events"]) for row in stream)}
+        with gzip.open(events / f"{name}.events.jsonl.gz", "wt", encoding="utf-8") as f:
+            for row in [header, *stream]:
+                f.write(json.dumps(row, separators=(",", ":")) + "\n")
     return None
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("traces", nargs="+", type=Path, help="trace files or directories")
+    ap.add_argument("--events", type=Path, metavar="DIR",
+                    help="write each caching trace's KV events here (EVENTS.md's format)")
     args = ap.parse_args(argv)
+    if args.events is not None:
+        args.events.mkdir(parents=True, exist_ok=True)
     paths = [q for p in args.traces for q in (sorted(p.glob("*.jsonl.gz")) if p.is_dir() else [p])]
     release, failed = Release(), 0
     for path in paths:
-        why = replay(release, path)
+        why = replay(release, path, args.events)
         if why is not None:
             failed += 1
             print(f"{path.name}: {why}")

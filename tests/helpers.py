@@ -22,11 +22,13 @@ def make_config(groups=(FullSpec(4),), num_blocks: int = 10, **changes) -> PoolC
 def replay_case(case: dict) -> list[list[str]]:
     """The block hashes kvshm's Request gives a case recorded by
     scripts/record_vllm_hashes.py, step by step."""
-    h = BlockHasher(case["algorithm"], case["seed"], case["block_size"])
+    h = BlockHasher(case["algorithm"], case["seed"], case["block_size"],
+                    tagged=case.get("vllm_version", "0.14.0") == "0.32.0")
     embeds = bytes.fromhex(case["prompt_embeds"]) if case["prompt_embeds"] else None
     prompt = case["prompt"] if case["prompt"] is not None else [0] * case["prompt_len"]
     r = Request("r", prompt, h, lora_name=case["lora_name"], cache_salt=case["cache_salt"],
-                mm_features=case["mm_features"], prompt_embeds=embeds)
+                mm_features=case["mm_features"], prompt_embeds=embeds,
+                lora_path=case.get("lora_path"))
     steps = [[x.hex() for x in r.block_hashes]]
     for chunk in case["appends"]:
         n = len(r.block_hashes)

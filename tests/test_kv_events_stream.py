@@ -70,6 +70,48 @@ def test_a_served_pool_publishes_vllm_s_stream(path, sockdir):
     assert all(e["rank"] == 0 for e in got)
 
 
+DATA_032 = Path(__file__).parent / "data" / "conformance-0.32.0"
+SAMPLE_032 = [DATA_032 / "events" / f"{name}.events.jsonl.gz" for name in (
+    "full16-tiny-chat-s1000", "hyb-full16-sw32-small-sys-s2111")]
+
+
+@pytest.mark.parametrize("path", SAMPLE_032, ids=[p.name.split(".")[0] for p in SAMPLE_032])
+def test_a_served_0_32_pool_publishes_vllm_0_32_s_stream(path, sockdir):
+    """A pool of 0.32's semantics publishes 0.32's maps, and its replay
+    socket answers in 0.32's frames (with the topic), which `kvshm events`
+    reads."""
+    _, want = load_events(path)
+    trace = events_trace(path, DATA_032 / "traces")
+    cfg, ops = load_trace(trace)
+    config = trace_pool_config(cfg, ops).replace(hash_algorithm="vllm-sha256",
+                                                 hash_seed="kvshm-oracle-0")
+    assert config.vllm_version == "0.32.0"
+    kv = endpoints(sockdir)
+    with CoordinatorProcess(config, extra_args=("--kv-events-config", json.dumps(kv))) as pool:
+        r = kvshm("replay", "--ipc", "--connect", str(pool.socket), str(trace))
+        assert r.returncode == 0 and "1 passed" in r.stdout, r.stdout + r.stderr
+        got = events_of(kv)
+        # The replay socket's frames, raw: [b"", topic, seq, payload] ...
+        # [b"", b"", -1, b""].
+        import zmq
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(kv["replay_endpoint"])
+        sock.send_multipart((b"", (0).to_bytes(8, "big")))
+        assert sock.poll(5000)
+        first = sock.recv_multipart()
+        while True:
+            assert sock.poll(5000)
+            last = sock.recv_multipart()
+            if last[2] == (-1).to_bytes(8, "big", signed=True):
+                break
+        sock.close()
+    assert first[:3] == [b"", b"kvshm", (0).to_bytes(8, "big")] and len(first) == 4
+    assert last == [b"", b"", (-1).to_bytes(8, "big", signed=True), b""]
+    assert [e["event"] for e in got] == [e for _, events in want for e in events]
+    assert got[0]["event"]["type"] == "BlockStored"
+
+
 def test_a_live_subscriber_sees_each_frame_as_a_batch(sockdir):
     from helpers import make_config, tokens
     from kvshm.ops import protocol as p

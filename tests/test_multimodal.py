@@ -25,16 +25,42 @@ from kvshm.service.process import CoordinatorProcess
 from kvshm.service.resume import Reconnect
 from kvshm.service.sync_client import connect_sync
 
-# Recorded by scripts/record_vllm_hashes.py (vLLM 0.14.0's request block
-# hasher on its own Request, at construction and after every append).
-VECTORS = json.loads((Path(__file__).parent / "data" / "vllm_mm_block_hashes.json").read_text())
+# Recorded by scripts/record_vllm_hashes.py (the release's request block
+# hasher on its own Request, at construction and after every append):
+# vLLM 0.14.0's, and 0.32.0's (tagged extra keys, the LoRA's path hashed).
+DATA = Path(__file__).parent / "data"
+VECTORS = json.loads((DATA / "vllm_mm_block_hashes.json").read_text())
+VECTORS_032 = json.loads((DATA / "conformance-0.32.0" / "vllm_mm_block_hashes.json").read_text())
 
 
-@pytest.mark.parametrize("case", VECTORS["cases"],
-                         ids=lambda c: f"{c['algorithm']}-{c['seed']}-{c['name']}")
+@pytest.mark.parametrize("case", VECTORS["cases"] + VECTORS_032["cases"],
+                         ids=lambda c: f"{c.get('vllm_version', '0.14.0')}-{c['algorithm']}-"
+                                       f"{c['seed']}-{c['name']}")
 def test_vllm_algorithms_hash_items_and_embeds_as_vllm_does(case):
     assert BlockHasher(case["algorithm"], case["seed"], 1).none_hash.hex() == case["none_hash"]
     assert replay_case(case) == case["block_hashes"]
+
+
+def test_a_0_32_pool_hashes_a_lora_with_its_path():
+    """vLLM 0.32 hashes the adapter's path: a LoRA request without one is
+    refused on a pool of its semantics (not on 0.14's, nor with kvshm's
+    own hashing), and two paths give two chains."""
+    from kvshm.pool.kv_cache_manager import KVCacheManager
+    from helpers import make_config
+    for release, refused in (("0.32.0", True), ("0.14.0", False)):
+        with KVCacheManager(make_config(vllm_version=release, hash_algorithm="vllm-sha256",
+                                        hash_seed="0")) as m:
+            h = m.make_hasher()
+            assert h.tagged is refused
+            if refused:
+                with pytest.raises(InvalidArgument, match="LoRA 'ad' needs its lora_path"):
+                    Request("r", tokens(0, 8), h, lora_name="ad")
+                a = Request("a", tokens(0, 8), h, lora_name="ad", lora_path="/x").block_hashes
+                b = Request("b", tokens(0, 8), h, lora_name="ad", lora_path="/y").block_hashes
+                assert a != b
+            else:
+                Request("r", tokens(0, 8), h, lora_name="ad")
+    Request("r", tokens(0, 8), BlockHasher("sha256", "s", 4, tagged=True), lora_name="ad")
 
 
 def test_the_vectors_cover_the_walk_s_edges():

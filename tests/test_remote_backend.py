@@ -75,7 +75,7 @@ def test_a_lookup_of_tokens_in_flight_waits_then_hits_them(proc, skips):
         b = backend(proc, wait_in_flight=8, in_flight_deadline=30, in_flight_poll=0.05)
         b.skips_waiting = skips          # as the plugin's connector sets it
         req = VllmRequest("r", prompt + tokens(100, 103), b.client.make_hasher())
-        hits, n = b.get_computed_blocks(req)
+        hits, n, _ = b.get_computed_blocks(req)
         assert n == 0
         assert b.waits("r") and b.in_flight_waits == 1
         if not skips:
@@ -83,7 +83,7 @@ def test_a_lookup_of_tokens_in_flight_waits_then_hits_them(proc, skips):
             b.get_computed_blocks(req)
             assert allocate(b, req, hits, 0) is None
         before, t0 = b.frames[0], time.monotonic()
-        assert b.get_computed_blocks(req) == (hits, 0)
+        assert b.get_computed_blocks(req) == (hits, 0, 0)
         assert b.waits("r")
         if skips:
             # Looked up again within the poll period: the last answer, no
@@ -101,7 +101,7 @@ def test_a_lookup_of_tokens_in_flight_waits_then_hits_them(proc, skips):
             assert b.frames[0] == before + 1 and time.monotonic() - t0 >= 0.01
         writer.advance("w", 20)          # the writer's K/V are in: the blocks are ready
         time.sleep(0.06)
-        hits, n = b.get_computed_blocks(req)
+        hits, n, _ = b.get_computed_blocks(req)
         assert n == 20 and not b.waits("r")
         assert allocate(b, req, hits, 20) is not None
         assert b.in_flight_waits == 1
@@ -119,10 +119,10 @@ def test_a_waiting_request_computes_the_tokens_itself_at_its_deadline(proc):
         b = backend(proc, wait_in_flight=8, in_flight_deadline=0.1, in_flight_poll=0.01)
         b.skips_waiting = True
         req = VllmRequest("r", prompt, b.client.make_hasher())
-        hits, n = b.get_computed_blocks(req)
+        hits, n, _ = b.get_computed_blocks(req)
         assert b.waits("r")
         time.sleep(0.15)
-        hits, n = b.get_computed_blocks(req)
+        hits, n, _ = b.get_computed_blocks(req)
         assert n == 0 and not b.waits("r")      # past its deadline: it computes them
         assert allocate(b, req, hits, 0) is not None
         # Fewer tokens in flight than wait_in_flight: no wait at all.
@@ -141,7 +141,7 @@ def test_the_backend_rides_through_a_restart_its_session_survives(proc):
     after a restart: the request goes on where it was."""
     b = backend(proc)
     req = VllmRequest("r", tokens(0, 10), b.client.make_hasher())
-    hits, n = b.get_computed_blocks(req)
+    hits, n, _ = b.get_computed_blocks(req)
     assert allocate(b, req, hits, n) is not None
     req.num_computed_tokens = 10
     b.step_computed({"r": 10})
@@ -160,7 +160,7 @@ def test_a_session_lost_in_a_restart_stops_the_backend_for_good(proc, pool_name)
     from then on instead of going on as a fresh session."""
     b = backend(proc)
     req = VllmRequest("r", tokens(0, 10), b.client.make_hasher())
-    hits, n = b.get_computed_blocks(req)
+    hits, n, _ = b.get_computed_blocks(req)
     assert allocate(b, req, hits, n) is not None
     proc.kill()
     remove_segment(pool_name, force=True)

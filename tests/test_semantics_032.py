@@ -124,6 +124,38 @@ def test_the_watermark_holds_back_waiting_requests_while_others_run():
         assert_clean(m)
 
 
+@pytest.mark.parametrize("version", ["0.32.0", "0.14.0"])
+def test_reserved_blocks_stay_free_after_an_allocation(version):
+    """9 free blocks; w needs 3.  With 7 reserved it is refused and nothing
+    changes; with 6 it gets them.  A running request's step that needs no
+    block is refused too while fewer blocks are free than reserved (the
+    shortest paths do not skip the check).  A negative count is refused."""
+    with pool(version) as m:
+        h = m.make_hasher()
+        w = Request("w", tokens(0, 12), h)
+        assert m.allocate_slots(w, 12, reserved_blocks=7) is None
+        assert m.num_free_blocks == 9 and m.get_block_ids("w") == ([],)
+        assert m.allocate_slots(w, 12, reserved_blocks=6) == ([1, 2, 3],)
+        w.num_computed_tokens = 10                                 # 2 slots left in block 3
+        assert m.allocate_slots(w, 1, reserved_blocks=10) is None
+        assert m.allocate_slots(w, 1, reserved_blocks=6) == ([],)
+        with pytest.raises(InvalidArgument, match="reserved_blocks=-1"):
+            m.allocate_slots(w, 1, reserved_blocks=-1)
+        assert m.num_free_blocks == 6
+        assert_clean(m)
+
+
+def test_reserved_blocks_over_ipc(pool_name):
+    with CoordinatorProcess(make_config(vllm_version="0.32.0"), name=pool_name) as proc:
+        with connect_sync(proc.socket) as c:
+            c.add_request("w", tokens(0, 12))
+            assert c.allocate_slots("w", 12, reserved_blocks=7) is None
+            assert c.allocate_slots("w", 12, reserved_blocks=6) == [[1, 2, 3]]
+            with pytest.raises(InvalidArgument, match="reserved_blocks=-1"):
+                c.allocate_slots("w", 1, reserved_blocks=-1)
+            assert c.stats().num_free_blocks == 6
+
+
 def test_0_32_takes_an_allocation_that_only_adopts_hits():
     for version in ("0.32.0", "0.14.0"):
         with pool(version) as m:

@@ -1,9 +1,11 @@
 """Real vLLM CPU engines on kvshm (the plugin in kvshm/vllm/).
 
-The engines run in the vLLM environment that ./scripts/vllm_env.sh makes
-(.venv-vllm, or $KVSHM_VLLM_PYTHON), one process per engine, through
-`python -m kvshm.vllm.engine`.  Without that environment these tests skip,
-unless KVSHM_REQUIRE_VLLM=1 (the test command sets it): then they fail.
+The engines run in the vLLM environments that ./scripts/vllm_env.sh makes
+(.venv-vllm for vLLM 0.14.0, or $KVSHM_VLLM_PYTHON; .venv-vllm-0.32.0 for
+0.32.0, or $KVSHM_VLLM_032_PYTHON), one process per engine, through
+`python -m kvshm.vllm.engine`; the engine tests run on both releases (the
+`release` fixture).  Without an environment its tests skip, unless
+KVSHM_REQUIRE_VLLM=1 (the test command sets it): then they fail.
 """
 
 from __future__ import annotations
@@ -21,7 +23,11 @@ from kvshm.workload.items import shared_prefix
 from kvshm.vllm.model import write_tiny_model
 
 REPO = Path(__file__).resolve().parent.parent
-VLLM_PYTHON = Path(os.environ.get("KVSHM_VLLM_PYTHON", REPO / ".venv-vllm" / "bin" / "python"))
+PYTHONS = {
+    "0.14.0": Path(os.environ.get("KVSHM_VLLM_PYTHON", REPO / ".venv-vllm" / "bin" / "python")),
+    "0.32.0": Path(os.environ.get("KVSHM_VLLM_032_PYTHON",
+                                  REPO / ".venv-vllm-0.32.0" / "bin" / "python"))}
+VLLM_PYTHON = PYTHONS["0.14.0"]
 ENGINE_TIMEOUT = 300
 
 if not VLLM_PYTHON.exists():
@@ -32,14 +38,28 @@ if not VLLM_PYTHON.exists():
                 allow_module_level=True)
 
 
+@pytest.fixture(params=list(PYTHONS))
+def release(request) -> str:
+    """The vLLM release an engine test runs on (each in turn)."""
+    python = PYTHONS[request.param]
+    if not python.exists():
+        if os.environ.get("KVSHM_REQUIRE_VLLM") == "1":
+            pytest.fail(f"KVSHM_REQUIRE_VLLM=1 but there is no vLLM {request.param} "
+                        f"environment at {python} (run ./scripts/vllm_env.sh {request.param})")
+        pytest.skip(f"no vLLM {request.param} environment at {python}")
+    return request.param
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
     return write_tiny_model(tmp_path_factory.mktemp("model") / "tiny-llama")
 
 
 def start_engine(model: Path, workload: dict, tmp: Path, name: str, *, pool: str | None,
-                 extra: tuple[str, ...] = (), env: dict | None = None):
-    """Start one engine process on `workload`; finish it with `finish()`."""
+                 extra: tuple[str, ...] = (), env: dict | None = None,
+                 release: str = "0.14.0"):
+    """Start one engine process of vLLM `release` on `workload`; finish it
+    with `finish()`."""
     wl = tmp / f"{name}.workload.json"
     wl.write_text(json.dumps(workload))
     out = tmp / f"{name}.json"
@@ -49,7 +69,7 @@ def start_engine(model: Path, workload: dict, tmp: Path, name: str, *, pool: str
     if pool is not None:
         e["KVSHM_POOL"] = pool
     e.update(env or {})
-    proc = subprocess.Popen([str(VLLM_PYTHON), "-m", "kvshm.vllm.engine", str(model), str(wl),
+    proc = subprocess.Popen([str(PYTHONS[release]), "-m", "kvshm.vllm.engine", str(model), str(wl),
                              "--out", str(out), *extra], env=e, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     proc.report_path = out
@@ -72,39 +92,52 @@ def finish(proc, check: bool = True):
 
 
 def run_engine(model: Path, workload: dict, tmp: Path, name: str, *, pool: str | None,
-               extra: tuple[str, ...] = (), env: dict | None = None, check: bool = True):
+               extra: tuple[str, ...] = (), env: dict | None = None, check: bool = True,
+               release: str = "0.14.0"):
     """Run one engine process to its end (see `finish`)."""
-    return finish(start_engine(model, workload, tmp, name, pool=pool, extra=extra, env=env),
-                  check)
+    return finish(start_engine(model, workload, tmp, name, pool=pool, extra=extra, env=env,
+                               release=release), check)
+
+
+MANAGER = {"0.14.0": "kvshm.vllm.manager.PoolKVCacheManager",
+           "0.32.0": "kvshm.vllm.manager.PoolKVCacheManager032"}
+
+
+def event_kind(event) -> str:
+    """An event's type as the stream names it (0.14: a tagged array; 0.32:
+    a map with "type")."""
+    return event["type"] if isinstance(event, dict) else event[0]
 
 
 def outputs(report: dict) -> dict[str, tuple[list[int], int]]:
     return {r["id"]: (r["token_ids"], r["num_cached_tokens"]) for r in report["requests"]}
 
 
-def test_embedded_pool_generates_what_vllm_s_own_manager_does(model_dir, tmp_path):
+def test_embedded_pool_generates_what_vllm_s_own_manager_does(model_dir, tmp_path, release):
     # 16 requests over two shared prefixes, two exact duplicates, and a
-    # 24-block pool: the engine preempts.
+    # 24-block pool: the engine preempts (a context of 512 tokens fits it).
     workload = workload_json(in_phases(shared_prefix(), 2))
     before = kvshm_segments()
-    args = ("--num-blocks", "24")
+    args = ("--num-blocks", "24", "--max-model-len", "512")
     # Both publish their KV events (one hash seed: the same block hashes).
     seed = {"PYTHONHASHSEED": "0"}
     own = start_engine(model_dir, workload, tmp_path, "own", pool=None, env=seed,
+                       release=release,
                        extra=(*args, "--kv-events", f"ipc://{tmp_path}/own.events"))
     emb = finish(start_engine(model_dir, workload, tmp_path, "embedded", pool="embedded",
-                              env=seed, extra=(*args, "--kv-events",
-                                               f"ipc://{tmp_path}/emb.events")))
+                              env=seed, release=release,
+                              extra=(*args, "--kv-events", f"ipc://{tmp_path}/emb.events")))
     own = finish(own)
     assert own["manager"] == "vllm.v1.core.kv_cache_manager.KVCacheManager"
-    assert emb["manager"] == "kvshm.vllm.manager.PoolKVCacheManager"
+    assert emb["manager"] == MANAGER[release]
     assert len(own["requests"]) == 16
     assert own["counters"]["num_preemptions"] > 0
     assert own["counters"]["prefix_cache_hits"] > 0
     assert outputs(emb) == outputs(own)
     assert emb["counters"] == own["counters"]
-    # The plugin's take_events() gave the engine's publisher vLLM's events.
-    kinds = {e[0] for e in own["kv_events"]}
+    # The plugin's take_events() gave the engine's publisher vLLM's events,
+    # in the release's own form.
+    kinds = {event_kind(e) for e in own["kv_events"]}
     assert kinds == {"BlockStored", "BlockRemoved"}, kinds       # it evicted, too
     assert emb["kv_events"] == own["kv_events"]
     assert emb["kv_event_seqs"] == own["kv_event_seqs"] == list(range(len(own["kv_event_seqs"])))
@@ -129,14 +162,19 @@ def prefix_workloads(seed: int = 5, n_b: int = 3):
     return a, b
 
 
-@pytest.fixture
-def pool(model_dir, tmp_path):
-    """A coordinator serving a pool for the tiny model (2048 blocks of 32)."""
+def serve(model_dir: Path, release: str):
+    """A coordinator serving a pool of vLLM `release`'s semantics for the
+    tiny model (2048 blocks of 32)."""
     from kvshm.config import model_pool_config
     from kvshm.service.process import CoordinatorProcess
     config = model_pool_config(model_dir, kv_memory=64 << 20, block_size=BLOCK,
-                               max_model_len=2048)
-    with CoordinatorProcess(config) as proc:
+                               max_model_len=2048).replace(vllm_version=release)
+    return CoordinatorProcess(config)
+
+
+@pytest.fixture
+def pool(model_dir, release):
+    with serve(model_dir, release) as proc:
         yield proc
 
 
@@ -150,25 +188,33 @@ def pool_stats(proc) -> dict:
         seg.close()
 
 
-def test_engines_share_the_pool_the_prefix_cache_and_the_kv_bytes(model_dir, tmp_path, pool):
+def stored(report: dict) -> list[tuple[list[int], int | None]]:
+    """The (block hashes, parent hash) of an engine's BlockStored events."""
+    return [(e["block_hashes"], e["parent_block_hash"]) if isinstance(e, dict) else (e[1], e[2])
+            for e in report["kv_events"] if event_kind(e) == "BlockStored"]
+
+
+def test_engines_share_the_pool_the_prefix_cache_and_the_kv_bytes(model_dir, tmp_path, pool,
+                                                                   release):
+    import numpy as np
+
     from kvshm.pool.arena import KVArena, arena_name
     from kvshm.core.state import FLAG_CACHED
     from kvshm.pool.segment import PoolSegment
     a_wl, b_wl = prefix_workloads(n_b=10)
-    alone = start_engine(model_dir, b_wl, tmp_path, "alone", pool=None)
-    a = run_engine(model_dir, a_wl, tmp_path, "a", pool=str(pool.socket),
+    alone = start_engine(model_dir, b_wl, tmp_path, "alone", pool=None, release=release)
+    a = run_engine(model_dir, a_wl, tmp_path, "a", pool=str(pool.socket), release=release,
                    extra=("--kv-events", f"ipc://{tmp_path}/a.events"))
-    b = run_engine(model_dir, b_wl, tmp_path, "b", pool=str(pool.socket),
+    b = run_engine(model_dir, b_wl, tmp_path, "b", pool=str(pool.socket), release=release,
                    extra=("--kv-events", f"ipc://{tmp_path}/b.events"))
     alone = finish(alone)
-    assert a["manager"] == b["manager"] == "kvshm.vllm.manager.PoolKVCacheManager"
+    assert a["manager"] == b["manager"] == MANAGER[release]
     # Each engine publishes the events of its own calls (TakeEvents): A
     # stored the prefix; B's first block past it has A's last as parent.
-    a_stored = [e for e in a["kv_events"] if e[0] == "BlockStored"]
-    b_stored = [e for e in b["kv_events"] if e[0] == "BlockStored"]
-    assert len(a_stored[0][1]) == 6 and a_stored[0][2] is None
-    assert b_stored[0][2] == a_stored[0][1][5]
-    assert not set(a_stored[0][1]) & {h for e in b_stored for h in e[1]}   # not stored twice
+    a_stored, b_stored = stored(a), stored(b)
+    assert len(a_stored[0][0]) == 6 and a_stored[0][1] is None
+    assert b_stored[0][1] == a_stored[0][0][5]
+    assert not set(a_stored[0][0]) & {h for e in b_stored for h in e[0]}   # not stored twice
     # B's first request hits the 6 full blocks A computed (another process).
     first = b["requests"][0]
     assert first["num_cached_tokens"] == 6 * BLOCK
@@ -189,27 +235,37 @@ def test_engines_share_the_pool_the_prefix_cache_and_the_kv_bytes(model_dir, tmp
     assert prefix_blocks == list(range(1, 7))
     arena = KVArena.attach(arena_name(pool.name), seg.config)
     try:
-        kv = arena.kv                       # [layer, K|V, block, head, token, dim]
-        kv[0, 0, prefix_blocks[-1]] = kv[0, 0, prefix_blocks[-1]][..., ::-1]
+        kv = arena.kv                       # (0.14) [layer, K|V, block, head, token, dim]
+        if release == "0.14.0":
+            kv[0, 0, prefix_blocks[-1]] = kv[0, 0, prefix_blocks[-1]][..., ::-1]
+        else:                               # 0.32: a layer's block is one page
+            offset, size = arena.layout.layer_region(0)
+            page = size // seg.config.num_blocks
+            block = np.frombuffer(arena.buffer, dtype=kv.dtype, count=page // kv.itemsize,
+                                  offset=offset + prefix_blocks[-1] * page)
+            block[:] = block[::-1].copy()
+            del block
         del kv
     finally:
         arena.close()
         seg.close()
-    c = run_engine(model_dir, b_wl, tmp_path, "c", pool=str(pool.socket))   # B's again
+    c = run_engine(model_dir, b_wl, tmp_path, "c", pool=str(pool.socket),  # B's again
+                   release=release)
     assert [r["num_cached_tokens"] for r in c["requests"]] == [6 * BLOCK] * 10
     changed = [r["id"] for r, own in zip(c["requests"], alone["requests"])
                if r["token_ids"] != own["token_ids"]]
     assert len(changed) >= 8, changed
 
 
-def test_an_engine_alone_on_a_pool_gets_vllm_s_hits(model_dir, tmp_path, pool):
+def test_an_engine_alone_on_a_pool_gets_vllm_s_hits(model_dir, tmp_path, pool, release):
     # Requests over two shared prefixes in two phases, two of them exact
     # duplicates: within a phase the requests sharing a prefix are scheduled
     # in one step, and all but the first hit blocks that step caches.
     wl = workload_json(in_phases(shared_prefix(seed=11), 2))
-    own = start_engine(model_dir, wl, tmp_path, "own", pool=None,
+    own = start_engine(model_dir, wl, tmp_path, "own", pool=None, release=release,
                        extra=("--num-blocks", str(pool_stats(pool)["num_blocks"])))
-    alone = run_engine(model_dir, wl, tmp_path, "alone", pool=str(pool.socket))
+    alone = run_engine(model_dir, wl, tmp_path, "alone", pool=str(pool.socket),
+                       release=release)
     own = finish(own)
     assert own["manager"] == "vllm.v1.core.kv_cache_manager.KVCacheManager"
     same_step = [r["id"] for r in own["requests"] if r["phase"] == 0 and r["num_cached_tokens"]]
@@ -223,7 +279,7 @@ def test_an_engine_alone_on_a_pool_gets_vllm_s_hits(model_dir, tmp_path, pool):
 
 
 def test_a_request_waiting_for_a_prefix_in_flight_lets_the_requests_behind_run(
-        model_dir, tmp_path, pool):
+        model_dir, tmp_path, pool, release):
     """A session of this process holds a 320-token prompt's blocks cached
     but not ready (its K/V never come).  Engine B gets that prompt first and
     another behind it: the plugin's connector skips the waiting one, so the
@@ -237,11 +293,11 @@ def test_a_request_waiting_for_a_prefix_in_flight_lets_the_requests_behind_run(
     other = [rng.randrange(3, 1000) for _ in range(100)]
     wl = {"phases": [[{"id": "held", "prompt_ids": held + [5, 6], "max_tokens": 8},
                       {"id": "other", "prompt_ids": other, "max_tokens": 8}]]}
-    own = start_engine(model_dir, wl, tmp_path, "own", pool=None)
+    own = start_engine(model_dir, wl, tmp_path, "own", pool=None, release=release)
     with connect_sync(pool.socket, hash_algorithm=None) as writer:   # the pool's hashing
         writer.add_request("w", held)
         assert writer.allocate_slots("w", len(held)) is not None
-        b = run_engine(model_dir, wl, tmp_path, "b", pool=str(pool.socket),
+        b = run_engine(model_dir, wl, tmp_path, "b", pool=str(pool.socket), release=release,
                        env={"KVSHM_IN_FLIGHT_DEADLINE": "3"})
         writer.free("w")
     own = finish(own)
@@ -253,7 +309,14 @@ def test_a_request_waiting_for_a_prefix_in_flight_lets_the_requests_behind_run(
     assert pool_stats(pool)["num_requests"] == 0
 
 
-def test_an_engine_that_does_not_fit_the_pool_is_refused(model_dir, tmp_path, pool):
+@pytest.fixture
+def pool_014(model_dir):
+    with serve(model_dir, "0.14.0") as proc:
+        yield proc
+
+
+def test_an_engine_that_does_not_fit_the_pool_is_refused(model_dir, tmp_path, pool_014):
+    pool = pool_014
     a_wl, _ = prefix_workloads()
     runs = [start_engine(model_dir, a_wl, tmp_path, name, pool=target, extra=extra, env=env)
             for name, target, extra, env in (
@@ -270,11 +333,11 @@ def test_an_engine_that_does_not_fit_the_pool_is_refused(model_dir, tmp_path, po
     assert pool_stats(pool)["num_requests"] == 0
 
 
-def test_an_engine_rides_through_a_coordinator_restart(model_dir, tmp_path, pool):
+def test_an_engine_rides_through_a_coordinator_restart(model_dir, tmp_path, pool, release):
     import threading
     import time
     wl = workload_json(in_phases(shared_prefix(seed=9, num_requests=12), 3))
-    alone = start_engine(model_dir, wl, tmp_path, "alone", pool=None)
+    alone = start_engine(model_dir, wl, tmp_path, "alone", pool=None, release=release)
     marker = tmp_path / "phase"
 
     def kill_mid_run():
@@ -288,7 +351,7 @@ def test_an_engine_rides_through_a_coordinator_restart(model_dir, tmp_path, pool
     t = threading.Thread(target=kill_mid_run)
     t.start()
     shared = run_engine(model_dir, wl, tmp_path, "shared", pool=str(pool.socket),
-                        extra=("--phase-done", str(marker)))
+                        release=release, extra=("--phase-done", str(marker)))
     t.join()
     alone = finish(alone)
     assert pool.restarts == 1
@@ -386,18 +449,19 @@ def test_vllm_specs_and_hashing_refusals_inside_vllm():
     assert out["given_seed"] == ["vllm-sha256-cbor", "42"] and out["env_seed"] == "42"
 
 
-def test_kvshm_hashes_fresh_multimodal_requests_as_vllm_does(tmp_path):
+def test_kvshm_hashes_fresh_multimodal_requests_as_vllm_does(tmp_path, release):
     """Beside the stored vectors: new random requests (items, embeds, LoRA,
-    salt, appends), hashed by vLLM's own code in its environment now."""
+    salt, appends), hashed by the release's own code in its environment
+    now (0.32's tagged keys on pools of its semantics)."""
     from helpers import replay_case
     seed = int.from_bytes(os.urandom(4), "big")
     out = tmp_path / "vectors.json"
-    proc = subprocess.run([str(VLLM_PYTHON), str(REPO / "scripts" / "record_vllm_hashes.py"),
+    proc = subprocess.run([str(PYTHONS[release]), str(REPO / "scripts" / "record_vllm_hashes.py"),
                            str(out), "--seed", str(seed), "--random", "60"],
                           capture_output=True, text=True, timeout=ENGINE_TIMEOUT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     cases = json.loads(out.read_text())["cases"]
-    assert len(cases) > 200
+    assert len(cases) > 200 and {c["vllm_version"] for c in cases} == {release}
     wrong = [c["name"] for c in cases if replay_case(c) != c["block_hashes"]]
     assert not wrong, f"seed {seed}: {wrong}"
 
@@ -414,13 +478,14 @@ print("started", scheduler.KVCacheManager.__module__)
 
 
 @pytest.mark.parametrize("release,pool,ends", [
-    ("0.32.0", "embedded", None),
-    ("0.32.0", None, "started vllm.v1.core.kv_cache_manager"),
+    ("0.33.0", "embedded", None),
+    ("0.33.0", None, "started vllm.v1.core.kv_cache_manager"),
     ("0.14.0+cpu", "embedded", "started kvshm.vllm.manager")])
 def test_vllm_s_plugin_loader_refuses_an_unsupported_release_in_one_line(release, pool, ends):
     """Through vLLM's own entry-point loader: with KVSHM_POOL set, an
-    engine whose vLLM says it is 0.32.0 stops with one line on stderr and
-    nothing patched; without KVSHM_POOL it starts on vLLM's own manager."""
+    engine whose vLLM says it is 0.33.0 (no release kvshm speaks) stops
+    with one line on stderr and nothing patched; without KVSHM_POOL it
+    starts on vLLM's own manager."""
     env = {k: v for k, v in os.environ.items() if k not in ("KVSHM_POOL", "PYTHONHASHSEED")}
     if pool is not None:
         env["KVSHM_POOL"] = pool
@@ -433,7 +498,7 @@ def test_vllm_s_plugin_loader_refuses_an_unsupported_release_in_one_line(release
     assert proc.returncode == 1 and "started" not in proc.stdout
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     last = proc.stderr.strip().splitlines()[-1]
-    assert last.startswith("kvshm ") and "supports vLLM 0.14.0, not the vLLM 0.32.0" in last
+    assert last.startswith("kvshm ") and "supports vLLM 0.14.0, 0.32.0, not the vLLM 0.33.0" in last
 
 
 def test_the_trace_recorder_s_0_14_traces_replay_on_kvshm(tmp_path):
@@ -460,19 +525,18 @@ def test_the_trace_recorder_s_0_14_traces_replay_on_kvshm(tmp_path):
         assert mismatch is None, f"{path.name}: {mismatch}"
 
 
-def test_an_engine_on_a_pool_of_another_release_is_refused_naming_both(model_dir, tmp_path):
-    """A 0.14 engine pointed at a pool that reproduces vLLM 0.32's
+def test_an_engine_on_a_pool_of_another_release_is_refused_naming_both(model_dir, tmp_path,
+                                                                       release):
+    """An engine pointed at a pool that reproduces the other release's
     semantics is refused at the handshake, both releases named, and the
     pool is left as it was."""
-    from kvshm.config import model_pool_config
-    from kvshm.service.process import CoordinatorProcess
-    config = model_pool_config(model_dir, kv_memory=64 << 20, block_size=BLOCK,
-                               max_model_len=2048).replace(vllm_version="0.32.0")
-    with CoordinatorProcess(config) as proc:
+    other = next(r for r in PYTHONS if r != release)
+    with serve(model_dir, other) as proc:
         a_wl, _ = prefix_workloads()
-        run = run_engine(model_dir, a_wl, tmp_path, "old", pool=str(proc.socket), check=False)
+        run = run_engine(model_dir, a_wl, tmp_path, "old", pool=str(proc.socket), check=False,
+                         release=release)
         assert run.returncode != 0
-        assert ("this pool reproduces vLLM 0.32.0's allocation semantics, not vLLM 0.14.0's, "
-                "the engine's") in run.stderr_text
+        assert (f"this pool reproduces vLLM {other}'s allocation semantics, not vLLM "
+                f"{release}'s, the engine's") in run.stderr_text
         stats = pool_stats(proc)
         assert stats["num_requests"] == 0

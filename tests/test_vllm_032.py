@@ -1,8 +1,9 @@
 """vLLM 0.32.0, the current CPU release, in its own environment
 (./scripts/vllm_env.sh 0.32.0 makes .venv-vllm-0.32.0, or
-$KVSHM_VLLM_032_PYTHON): the plugin's refusal of it, and the conformance set
-recorded from its own KV-cache manager (tests/data/conformance-0.32.0,
-scripts/record_vllm_traces.py).  Without that environment these tests
+$KVSHM_VLLM_032_PYTHON): the conformance set recorded from its own
+KV-cache manager (tests/data/conformance-0.32.0,
+scripts/record_vllm_traces.py).  Its engines on kvshm pools are tested with
+0.14's, in tests/test_vllm.py.  Without that environment these tests
 skip, unless KVSHM_REQUIRE_VLLM=1 (the test command sets it): then they
 fail."""
 
@@ -19,6 +20,7 @@ REPO = Path(__file__).resolve().parent.parent
 VLLM_PYTHON = Path(os.environ.get("KVSHM_VLLM_032_PYTHON",
                                   REPO / ".venv-vllm-0.32.0" / "bin" / "python"))
 SET = REPO / "tests" / "data" / "conformance-0.32.0" / "traces"
+EVENTS = SET.parent / "events"
 TIMEOUT = 600
 
 if not VLLM_PYTHON.exists():
@@ -43,36 +45,75 @@ def test_the_environment_runs_vllm_0_32():
     assert proc.stdout.split()[-2:] == ["0.32.0", "2.13.0+cpu"]
 
 
-ENGINE = r'''
-from vllm import LLM
-LLM(model="unused", skip_tokenizer_init=True)
-print("started")
-'''
-
-
-def test_an_engine_on_a_kvshm_pool_is_refused_in_one_line():
-    """A real 0.32 engine with KVSHM_POOL set stops at start-up, before it
-    loads anything, with kvshm's one line; without it, the plugin says
-    nothing (the engine then fails on its own, on the missing model)."""
-    refused = subprocess.run([str(VLLM_PYTHON), "-c", ENGINE], capture_output=True, text=True,
-                             env=env(KVSHM_POOL="embedded"), timeout=TIMEOUT)
-    assert refused.returncode == 1 and "started" not in refused.stdout
-    assert "Traceback" not in refused.stderr, refused.stderr[-3000:]
-    assert refused.stderr.strip().splitlines()[-1].endswith(
-        "supports vLLM 0.14.0, not the vLLM 0.32.0 of this engine (KVSHM_POOL=embedded): "
-        "install vLLM 0.14.0, or unset KVSHM_POOL to run on vLLM's own KV-cache manager")
-    silent = subprocess.run([str(VLLM_PYTHON), "-c", ENGINE], capture_output=True, text=True,
-                            env=env(), timeout=TIMEOUT)
-    assert silent.returncode != 0 and "kvshm" not in silent.stdout + silent.stderr
-
-
-def test_the_stored_set_is_what_vllm_0_32_s_own_manager_answers():
+def test_the_stored_set_is_what_vllm_0_32_s_own_manager_answers(tmp_path):
     """Every op of every stored 0.32 trace, replayed on the release's own
-    manager (scripts/vllm_oracle.py), gets its recorded answer."""
+    manager (scripts/vllm_oracle.py), gets its recorded answer, and the
+    manager emits the stored KV-event streams."""
+    from kvshm.replay import load_events
     index = json.loads((SET / "index.json").read_text())
     assert index["recorded_from"] == "vllm 0.32.0" and index["format_version"] == 2
     assert len(index["traces"]) == 160 and len(index["skipped"]) == 6   # 0.32 cannot build sink
-    proc = subprocess.run([str(VLLM_PYTHON), str(REPO / "scripts" / "vllm_oracle.py"), str(SET)],
+    proc = subprocess.run([str(VLLM_PYTHON), str(REPO / "scripts" / "vllm_oracle.py"),
+                           "--events", str(tmp_path), str(SET)],
                           capture_output=True, text=True, env=env(), timeout=TIMEOUT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stdout.strip().splitlines()[-1] == "vLLM 0.32.0: passed 160/160"
+    stored = sorted(p.name for p in EVENTS.glob("*.events.jsonl.gz"))
+    assert sorted(p.name for p in tmp_path.glob("*.events.jsonl.gz")) == stored
+    assert len(stored) == 133
+    for name in stored:
+        assert load_events(tmp_path / name) == load_events(EVENTS / name), name
+
+
+REFUSALS = r'''
+import json, types
+import torch
+from vllm.v1 import kv_cache_interface as vi
+from kvshm.core.errors import ConfigError, PoolRefused
+from kvshm.vllm.binding import PoolBinding
+from kvshm.vllm.manager import PoolKVCacheManager032
+
+def cfg(*specs):
+    return vi.KVCacheConfig(num_blocks=16, kv_cache_tensors=[], kv_cache_groups=[
+        vi.KVCacheGroupSpec([f"l{i}"], s) for i, s in enumerate(specs)])
+
+full = vi.FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=8, dtype=torch.float32)
+mamba = vi.MambaSpec(block_size=16, shapes=((2, 3),), dtypes=(torch.float32,))
+common = dict(max_model_len=64, scheduler_block_size=16, hash_block_size=16)
+out = {}
+for name, kw in {"lookahead": dict(kv_cache_config=cfg(full), num_prefill_lookahead=2),
+                 "checkpoint": dict(kv_cache_config=cfg(full),
+                                    enable_mamba_shared_prefix_checkpoint=True),
+                 "zeroing": dict(kv_cache_config=cfg(full, mamba)),
+                 "sizes": dict(kv_cache_config=cfg(full), scheduler_block_size=32)}.items():
+    try:
+        PoolKVCacheManager032(**{**common, **kw})
+    except ConfigError as e:
+        out[name] = str(e)
+consumer = types.SimpleNamespace(supports_divergent_local_hybrid_hits=False)
+scheduler = types.SimpleNamespace(connector=consumer, vllm_config=types.SimpleNamespace(
+    kv_transfer_config=types.SimpleNamespace(is_kv_consumer=True)))
+try:
+    PoolBinding("embedded").gate_scheduler(scheduler)
+except PoolRefused as e:
+    out["consumer"] = str(e)
+print(json.dumps(out))
+'''
+
+
+def test_the_0_32_manager_refuses_what_kvshm_does_not_reproduce_by_name():
+    """Engine configurations whose 0.32 manager would hand the scheduler
+    work kvshm does not do (re-prefilled drafts, Mamba checkpoints, blocks
+    to zero, sub-block hashes, a connector's asynchronous loads) stop at
+    start-up, each named, before any pool is opened."""
+    proc = subprocess.run([str(VLLM_PYTHON), "-c", REFUSALS], capture_output=True, text=True,
+                          env=env(), timeout=TIMEOUT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert "re-prefills tokens (num_prefill_lookahead 2)" in out["lookahead"]
+    assert "Mamba shared-prefix checkpoints" in out["checkpoint"]
+    assert "new blocks must be zeroed" in out["zeroing"]
+    assert "other block sizes than the hash block (scheduler 32, hash 16" in out["sizes"]
+    assert all("unset KVSHM_POOL" in out[k] for k in ("lookahead", "checkpoint", "zeroing",
+                                                        "sizes"))
+    assert "KV connector (SimpleNamespace) loads K/V" in out["consumer"]

@@ -240,14 +240,15 @@ class SingleTypeManager:
                                  parent)
                 parent = b
         if pool.events is not None:   # (off the hot path when nobody records events)
-            stored = [hashes[i * k + k - 1] for i in range(num_cached, end)
-                      if blocks[i] and (mask is None or mask[i - num_cached])]
+            indices = [i for i in range(num_cached, end)
+                       if blocks[i] and (mask is None or mask[i - num_cached])]
             bs = self.block_size
             tokens = request.all_token_ids
             pool.events.stored(
-                stored, hashes[num_cached * k - 1] if num_cached else None,
+                [hashes[i * k + k - 1] for i in indices],
+                hashes[num_cached * k - 1] if num_cached else None,
                 tokens[num_cached * bs:num_full * bs] if tokens is not None else [],
-                bs, request, g)
+                bs, request, g, indices)
 
     def new_step_starts(self) -> None:
         """A scheduler step begins (vLLM 0.32; only its Mamba manager acts)."""

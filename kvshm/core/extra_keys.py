@@ -25,14 +25,22 @@ kvshm's own algorithms encode the same keys injectively (tagged,
 length-prefixed), and add each item's offset and length, so equal hashes
 mean equal placeholders too.  Requests without items or embeds encode as
 before items existed, so their hashes did not change.
+
+vLLM 0.32 (`tagged`: a pool of its semantics, `Semantics.tagged_extra_keys`)
+tags each key with its source, in the same order: `("lora", name, path)`,
+`("mm", identifier, offset of the item in the block)`, `("cache_salt",
+salt)`, `("prompt_embeds", sha256 digest of the block's rows)`.  A block
+names exactly the items it overlaps, whichever pass hashes it (no quirks).
+Its KV events publish the same keys untagged (`block_event_keys`).
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
-from kvshm.core.errors import BadMultimodalInput
+from kvshm.core.errors import BadMultimodalInput, InvalidArgument
 
 
 class MultiModalFeature(NamedTuple):
@@ -152,20 +160,30 @@ class ExtraKeys:
     for vLLM's algorithms, bytes for kvshm's.  Without multimodal items or
     embeds the keys are constant (`every`, and `first` for block 0)."""
 
-    __slots__ = ("vllm", "lora_name", "cache_salt", "mm_features", "embeds", "row_bytes",
-                 "constant", "every", "first")
+    __slots__ = ("vllm", "tagged", "lora_name", "cache_salt", "mm_features", "embeds",
+                 "row_bytes", "constant", "every", "first")
 
     def __init__(self, vllm: bool, lora_name: str | None = None, cache_salt: str | None = None,
                  mm_features: tuple[MultiModalFeature, ...] = (),
-                 embeds: bytes | None = None, row_bytes: int = 0) -> None:
+                 embeds: bytes | None = None, row_bytes: int = 0,
+                 lora_path: str | None = None, tagged: bool = False) -> None:
         self.vllm = vllm
+        self.tagged = tagged
         self.lora_name = lora_name or None
         self.cache_salt = cache_salt or None
         self.mm_features = mm_features
         self.embeds = embeds
         self.row_bytes = row_bytes
         self.constant = not mm_features and embeds is None
-        if vllm:
+        if tagged:
+            if lora_name and lora_path is None:
+                raise InvalidArgument(
+                    f"LoRA {lora_name!r} needs its lora_path: vLLM 0.32 hashes the adapter's "
+                    "path with its name (this pool reproduces 0.32)")
+            every = (("lora", lora_name, lora_path),) if lora_name else ()
+            first = every + (("cache_salt", cache_salt),) if cache_salt else every
+            self.every, self.first = every or None, first or None
+        elif vllm:
             every = (lora_name,) if lora_name else ()
             first = every + (cache_salt,) if cache_salt else every
             self.every, self.first = every or None, first or None
@@ -179,6 +197,9 @@ class ExtraKeys:
             first, every = self.first, self.every
             return [first if i == 0 else every for i in range(start_block, n_full)]
         features, embeds, rb = self.mm_features, self.embeds, self.row_bytes
+        if self.tagged:
+            return [self._tagged_keys(i * block_size, (i + 1) * block_size)
+                    for i in range(start_block, n_full)]
         idx = 0 if start_block == 0 else -1
         out = []
         for i in range(start_block, n_full):
@@ -190,6 +211,22 @@ class ExtraKeys:
             rows = None if embeds is None else embeds[start * rb:end * rb]
             out.append(self._encode(named, i == 0, rows))
         return out
+
+    def _tagged_keys(self, start: int, end: int) -> tuple | None:
+        """vLLM 0.32's keys of block [start, end)."""
+        keys = list(self.every or ())
+        for f in self.mm_features:
+            if f.offset >= end:
+                break
+            if start < f.offset + f.length:
+                keys.append(("mm", f.identifier, f.offset - start))
+        if start == 0 and self.cache_salt:
+            keys.append(("cache_salt", self.cache_salt))
+        if self.embeds is not None:
+            rb = self.row_bytes
+            keys.append(("prompt_embeds",
+                         hashlib.sha256(self.embeds[start * rb:end * rb]).digest()))
+        return tuple(keys) if keys else None
 
     def _encode(self, named: list[MultiModalFeature], block0: bool, rows: bytes | None) -> Any:
         salt = self.cache_salt if block0 else None
@@ -210,3 +247,42 @@ class ExtraKeys:
         if rows is not None:
             parts.append(_tagged(b"E", rows, 8))
         return b"".join(parts)
+
+
+def block_event_keys(request: Any, indices: Sequence[int], block_size: int) -> list[Any]:
+    """vLLM 0.32's extra keys of a request's blocks `indices` as its KV
+    events publish them, one entry per block: the tagged keys of
+    `ExtraKeys(tagged=True)` without their tags (the LoRA name, `(identifier,
+    offset)` per item, the salt, the embeds digest); None for a block with
+    none.
+
+    `request` is a kvshm `Request` or, in a vLLM engine's embedded pool,
+    vLLM's own (its LoRA request, feature specs, and the per-block embeds
+    digests it kept when it hashed the blocks)."""
+    lora = getattr(request, "lora_request", None)
+    if lora is not None:
+        name, path = lora.lora_name, lora.lora_path
+    else:
+        name, path = getattr(request, "lora_name", None), getattr(request, "lora_path", None)
+    features = []
+    for f in getattr(request, "mm_features", None) or ():
+        pos = getattr(f, "mm_position", None)
+        features.append(f if pos is None else
+                        MultiModalFeature(pos.offset, pos.length, f.identifier))
+    embeds = getattr(request, "prompt_embeds", None)
+    # vLLM's request keeps each block's embeds digest; kvshm's the raw rows.
+    digests = (None if embeds is None else
+               getattr(request, "_prompt_embeds_per_block_hashes", None))
+    rows = embeds if embeds is not None and digests is None else None
+    extra = ExtraKeys(True, name, getattr(request, "cache_salt", None), tuple(features),
+                      rows, len(rows) // request.num_prompt_tokens if rows else 0,
+                      path or "", tagged=True)
+    out = []
+    for i in indices:
+        start, end = i * block_size, (i + 1) * block_size
+        keys = [key[1:] if key[0] == "mm" else key[1]
+                for key in extra._tagged_keys(start, end) or ()]
+        if digests is not None:
+            keys.append(digests[(start, end)])
+        out.append(tuple(keys) if keys else None)
+    return out

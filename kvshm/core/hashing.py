@@ -186,10 +186,13 @@ class BlockHasher:
     """
 
     __slots__ = ("algorithm", "seed", "block_size", "digest_size", "none_hash",
-                 "fingerprint", "namespace", "vllm", "token_range", "_fn", "_pack", "_ns")
+                 "fingerprint", "namespace", "vllm", "tagged", "token_range", "_fn", "_pack",
+                 "_ns")
 
     def __init__(self, algorithm: str, seed: str, block_size: int,
-                 namespace: str = "") -> None:
+                 namespace: str = "", *, tagged: bool = False) -> None:
+        """`tagged`: extra keys as vLLM 0.32 encodes them (for its
+        algorithms; `Semantics.tagged_extra_keys`), else as 0.14."""
         if block_size <= 0:
             raise InvalidArgument(f"block_size must be positive (got {block_size})")
         self.algorithm = algorithm
@@ -197,6 +200,7 @@ class BlockHasher:
         self.block_size = block_size
         self._fn = _raw_function(algorithm)
         self.vllm = algorithm in VLLM_HASH_ALGORITHMS
+        self.tagged = tagged and self.vllm
         # The token ids it hashes (module doc).
         self.token_range = VLLM_TOKEN_RANGE if self.vllm else KVSHM_TOKEN_RANGE
         if self.vllm:
@@ -214,15 +218,19 @@ class BlockHasher:
 
     def for_namespace(self, namespace: str) -> "BlockHasher":
         """The same hasher with cache keys in `namespace`."""
-        return BlockHasher(self.algorithm, self.seed, self.block_size, namespace)
+        return BlockHasher(self.algorithm, self.seed, self.block_size, namespace,
+                           tagged=self.tagged)
 
     def extra_keys(self, lora_name: str | None = None, cache_salt: str | None = None,
                    mm_features: tuple[MultiModalFeature, ...] = (),
-                   embeds: bytes | None = None, row_bytes: int = 0) -> ExtraKeys:
+                   embeds: bytes | None = None, row_bytes: int = 0,
+                   lora_path: str | None = None) -> ExtraKeys:
         """A request's extra keys in this hasher's encoding, for `hash_blocks`
         (`mm_features` checked by `check_mm_features`, `embeds` and
-        `row_bytes` from `embeds_rows`)."""
-        return ExtraKeys(self.vllm, lora_name, cache_salt, mm_features, embeds, row_bytes)
+        `row_bytes` from `embeds_rows`).  Raises InvalidArgument for a LoRA
+        without `lora_path` where the encoding (vLLM 0.32's) needs it."""
+        return ExtraKeys(self.vllm, lora_name, cache_salt, mm_features, embeds, row_bytes,
+                         lora_path, self.tagged)
 
     def keys(self, hashes: list[bytes]) -> list[bytes]:
         """Prefix-cache keys of chained block hashes (the hashes themselves

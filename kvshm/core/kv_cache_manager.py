@@ -18,7 +18,7 @@ from collections.abc import Iterable
 from kvshm.core.adoption import adopt_indexes
 from kvshm.core.block_pool import BlockPool
 from kvshm.core.errors import InvalidArgument, RequestTooLong, StaleHits
-from kvshm.core.events import Event, EventLog
+from kvshm.core.events import SPEC_KINDS, Event, EventLog
 from kvshm.core.group_logic import BlockIds, any_blocks, make_group_logic
 from kvshm.core.hashing import BlockHasher
 from kvshm.core.recovery import RepairReport, repair
@@ -125,7 +125,11 @@ class KVCacheManagerCore:
         only the block's hash, its size and group."""
         if self.events is not None:
             return
-        log = self.events = self.block_pool.events = EventLog(len(self.config.groups))
+        groups = self.config.groups
+        maps = ([(SPEC_KINDS[g.__struct_config__.tag], getattr(g, "sliding_window", None))
+                 for g in groups]
+                if self.semantics.event_maps else None)
+        log = self.events = self.block_pool.events = EventLog(len(groups), maps)
         cached = self.block_pool.cached_blocks()
         if cached:
             log.cleared()
@@ -257,7 +261,8 @@ class KVCacheManagerCore:
                        delay_cache_blocks: bool = False,
                        num_encoder_tokens: int = 0,
                        full_sequence_must_fit: bool = False, waiting: bool = False,
-                       has_scheduled_reqs: bool = True) -> BlockIds | None:
+                       has_scheduled_reqs: bool = True,
+                       reserved_blocks: int = 0) -> BlockIds | None:
         """Give the request slots for `num_new_tokens` more tokens (plus
         lookahead), adopting `new_computed_blocks` (from
         `get_computed_blocks`).  Returns the newly allocated block ids per
@@ -268,7 +273,10 @@ class KVCacheManagerCore:
         the request is being admitted from the waiting queue (new or
         preempted); with `full_sequence_must_fit` it is admitted only if
         blocks for all its tokens are free; while `has_scheduled_reqs`, a
-        waiting request must also leave the pool's watermark free.
+        waiting request must also leave the pool's watermark free;
+        `reserved_blocks` more must stay free after the allocation (what
+        vLLM 0.32's scheduler holds back for asynchronous KV loads in
+        flight; not counted by the whole-sequence check).
 
         Raises InvalidArgument (negative counts, no tokens, hits for a running
         request, bad hit lists), RequestTooLong, RequestTableFull; then
@@ -284,7 +292,8 @@ class KVCacheManagerCore:
                 watermark = self._watermark_blocks
             if full_sequence_must_fit or watermark:
                 gate = True
-                m = None    # the shortest paths below know no gate
+        if gate or reserved_blocks:
+            m = None    # the shortest paths below know neither gate nor reserve
         if (m is not None and new_computed_blocks is None and num_new_tokens > 0
                 and num_lookahead_tokens >= 0
                 and not num_new_computed_tokens | num_external_computed_tokens
@@ -304,13 +313,13 @@ class KVCacheManagerCore:
                                  if caching else 0):
                         return ([],)
         if (num_new_tokens | num_new_computed_tokens | num_lookahead_tokens
-                | num_external_computed_tokens | num_encoder_tokens) < 0:
+                | num_external_computed_tokens | num_encoder_tokens | reserved_blocks) < 0:
             raise InvalidArgument(
-                "token counts must be >= 0 (num_new_tokens="
+                "counts must be >= 0 (num_new_tokens="
                 f"{num_new_tokens}, num_new_computed_tokens={num_new_computed_tokens}, "
                 f"num_lookahead_tokens={num_lookahead_tokens}, "
                 f"num_external_computed_tokens={num_external_computed_tokens}, "
-                f"num_encoder_tokens={num_encoder_tokens})")
+                f"num_encoder_tokens={num_encoder_tokens}, reserved_blocks={reserved_blocks})")
         if num_new_tokens == 0 and num_external_computed_tokens == 0 and not (
                 num_new_computed_tokens and self.semantics.allocates_without_new_tokens):
             raise InvalidArgument(
@@ -344,7 +353,7 @@ class KVCacheManagerCore:
 
         groups = self.groups
         pool = self.block_pool
-        if (not adopts and not settled_checked and not gate
+        if (not adopts and not settled_checked and not gate and not reserved_blocks
                 and self.free_floor <= pool.num_free_blocks):
             # Nothing to change (a decode step inside its last block, mostly):
             # no frame, no mutation, the answer allocate_new_blocks would give.
@@ -373,7 +382,7 @@ class KVCacheManagerCore:
                     self.refused_by_floor = need <= pool.num_free_blocks
                     return None
             groups.remove_skipped_blocks(rid, total_computed)
-            need = watermark + groups.get_num_blocks_to_allocate(
+            need = watermark + reserved_blocks + groups.get_num_blocks_to_allocate(
                 rid, num_need_slot, hits, num_encoder_tokens,
                 num_local + num_external_computed_tokens)
             if need > pool.num_free_blocks - self.free_floor:

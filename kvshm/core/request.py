@@ -38,6 +38,8 @@ class Request:
     vLLM) if the buffer is 2-D.  Both only change the block hashes
     (`kvshm.core.extra_keys`); they are checked before anything is kept
     (`BadMultimodalInput`).
+    `lora_path`: the LoRA adapter's path, part of a block's extra keys on a
+    pool hashing as vLLM 0.32 (which needs it with `lora_name`).
 
     A request made with `from_block_hashes` has no token ids
     (`all_token_ids` is None): its client hashed the tokens itself and sends
@@ -46,7 +48,8 @@ class Request:
 
     __slots__ = ("request_id", "all_token_ids", "num_tokens", "num_prompt_tokens",
                  "num_computed_tokens",
-                 "block_hashes", "lora_name", "cache_salt", "mm_features", "prompt_embeds",
+                 "block_hashes", "lora_name", "lora_path", "cache_salt", "mm_features",
+                 "prompt_embeds",
                  "skip_reading_prefix_cache", "num_preemptions", "shared_prefix_boundary",
                  "_hasher", "_extra", "_parent", "_tokens")
 
@@ -61,6 +64,7 @@ class Request:
         mm_features: Sequence[MultiModalFeature] | None = None,
         prompt_embeds=None,
         skip_reading_prefix_cache: bool = False,
+        lora_path: str | None = None,
     ) -> None:
         tokens = None
         if prompt_token_ids is not None:
@@ -75,7 +79,7 @@ class Request:
             raise InvalidArgument("a request needs prompt_token_ids or prompt_embeds")
         features = check_mm_features(mm_features, len(tokens))
         self._setup(request_id, hasher, lora_name, cache_salt, skip_reading_prefix_cache,
-                    features, embeds, row_bytes)
+                    features, embeds, row_bytes, lora_path)
         self.all_token_ids: list[int] | None = tokens
         self.num_tokens = self.num_prompt_tokens = len(tokens)
         self._extend_hashes()
@@ -105,12 +109,13 @@ class Request:
         return self
 
     def _setup(self, request_id, hasher, lora_name, cache_salt, skip_read,
-               features=(), embeds=None, row_bytes=0) -> None:
+               features=(), embeds=None, row_bytes=0, lora_path=None) -> None:
         if not isinstance(request_id, str) or not request_id:
             raise InvalidArgument("request_id must be a non-empty string")
         self.request_id = request_id
         self.num_computed_tokens = 0
         self.lora_name = lora_name
+        self.lora_path = lora_path
         self.cache_salt = cache_salt
         self.mm_features = features
         self.prompt_embeds = embeds
@@ -122,7 +127,8 @@ class Request:
         self._hasher = hasher
         self._tokens = _token_range(hasher)
         self._extra = (None if hasher is None else
-                       hasher.extra_keys(lora_name, cache_salt, features, embeds, row_bytes))
+                       hasher.extra_keys(lora_name, cache_salt, features, embeds, row_bytes,
+                                         lora_path))
         self.block_hashes: list[bytes] = []
         self._parent: bytes | None = None  # hash of the last full block (chain parent)
 

@@ -42,6 +42,17 @@ class Semantics:
     common_prefix_blocks: `get_num_common_prefix_blocks` counts the blocks
         every running request shares (cascade attention); 0.32 removed
         cascade attention and answers zeros.
+    event_maps: KV events are msgpack maps (the first key "type") whose
+        stored blocks name their group, its spec kind and window, and each
+        block's extra keys; the replay socket sends the topic too
+        (kvshm/core/events.py, kvshm/service/events.py).  0.14 sends
+        positional arrays.
+    tagged_extra_keys: `vllm-sha256` block hashes take 0.32's extra keys:
+        tagged tuples (`("lora", name, path)`, `("mm", identifier, offset in
+        the block)`, `("cache_salt", salt)`, `("prompt_embeds", sha256 of
+        the block's rows)`), each multimodal item named by exactly the
+        blocks it overlaps (kvshm/core/extra_keys.py).  0.14's are untagged,
+        with its walk's quirks.
     group_types: the KV-cache group types (`type` of a group spec) a pool
         of the release may have: those whose managers kvshm reproduces op
         for op for it, per its recorded conformance set
@@ -55,6 +66,8 @@ class Semantics:
     allocates_without_new_tokens: bool
     stats_at_admission: bool
     common_prefix_blocks: bool
+    event_maps: bool
+    tagged_extra_keys: bool
     group_types: frozenset[str]
     missing_types: dict[str, str]
 
@@ -64,11 +77,13 @@ ALL_TYPES = frozenset(("full", "mla", "sink_full", "sliding_window", "chunked_lo
 RELEASES: dict[str, Semantics] = {
     "0.14.0": Semantics("0.14.0", lifo_unhashed_free=False, admission_gate=False,
                         allocates_without_new_tokens=False, stats_at_admission=False,
-                        common_prefix_blocks=True, group_types=ALL_TYPES, missing_types={}),
+                        common_prefix_blocks=True, event_maps=False,
+                        tagged_extra_keys=False, group_types=ALL_TYPES,
+                        missing_types={}),
     "0.32.0": Semantics(
         "0.32.0", lifo_unhashed_free=True, admission_gate=True,
         allocates_without_new_tokens=True, stats_at_admission=True,
-        common_prefix_blocks=False,
+        common_prefix_blocks=False, event_maps=True, tagged_extra_keys=True,
         group_types=frozenset(("full", "mla", "chunked_local", "cross_attention",
                                "sliding_window", "mamba")),
         missing_types={

@@ -242,7 +242,8 @@ class PoolConfig(msgspec.Struct, frozen=True, kw_only=True):
         """The block hasher requests of this pool must use (None: caching off)."""
         if not self.enable_caching:
             return None
-        return BlockHasher(self.hash_algorithm, self.hash_seed, self.hash_block_size)
+        return BlockHasher(self.hash_algorithm, self.hash_seed, self.hash_block_size,
+                           tagged=self.semantics.tagged_extra_keys)
 
     # -- validation ----------------------------------------------------------
     def __post_init__(self) -> None:

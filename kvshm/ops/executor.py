@@ -68,7 +68,7 @@ _REQ_OPS = frozenset((p.AddRequest, p.Advance, p.GetComputedBlocks, p.AllocateSl
                       p.CacheBlocks, p.Free, p.RemoveSkippedBlocks, p.GetBlockIds,
                       p.NumCommonPrefixBlocks, p.ReportCorrupt, p.EstimateCachedTokens))
 _ALLOC_COUNTS = ("num_new_tokens", "num_new_computed_tokens", "num_lookahead_tokens",
-                 "num_external_computed_tokens", "num_encoder_tokens")
+                 "num_external_computed_tokens", "num_encoder_tokens", "reserved_blocks")
 
 
 class OpExecutor:
@@ -319,7 +319,7 @@ class OpExecutor:
             raise InvalidArgument(f"num_prompt_tokens must be in 0..{len(prompt)} "
                                   f"(got {op.num_prompt_tokens}; 0: the whole prompt)")
         req = Request(rid, prompt[:n] if n < len(prompt) else prompt, owner.hasher,
-                      lora_name=op.lora_name, cache_salt=op.cache_salt,
+                      lora_name=op.lora_name, lora_path=op.lora_path, cache_salt=op.cache_salt,
                       mm_features=op.mm_features, prompt_embeds=op.prompt_embeds,
                       skip_reading_prefix_cache=op.skip_reading_prefix_cache)
         if n < len(prompt):
@@ -382,7 +382,8 @@ class OpExecutor:
                             "get_computed_blocks first; a lookup made before a coordinator "
                             "restart is kept only if the pool finds the same blocks again)")
         if (op.num_new_tokens | op.num_new_computed_tokens | op.num_lookahead_tokens
-                | op.num_external_computed_tokens | op.num_encoder_tokens) > MAX_COUNT:
+                | op.num_external_computed_tokens | op.num_encoder_tokens
+                | op.reserved_blocks) > MAX_COUNT:
             for name in _ALLOC_COUNTS:
                 check_count(name, max(getattr(op, name), 0), MAX_COUNT)
         mgr = self.mgr
@@ -390,7 +391,7 @@ class OpExecutor:
             st.request, op.num_new_tokens, op.num_new_computed_tokens,
             st.hits if op.use_computed_blocks else None, op.num_lookahead_tokens,
             op.num_external_computed_tokens, op.delay_cache_blocks, op.num_encoder_tokens,
-            op.full_sequence_must_fit, op.waiting, op.has_scheduled_reqs)
+            op.full_sequence_must_fit, op.waiting, op.has_scheduled_reqs, op.reserved_blocks)
         if res is None and mgr.refused_by_floor:
             self.tenants.refused(owner.slot)
         if not st.claimed:

@@ -17,7 +17,7 @@ import msgspec
 
 from kvshm.core.extra_keys import MultiModalFeature, check_mm_features, embeds_rows
 
-PROTOCOL_VERSION = 10
+PROTOCOL_VERSION = 11
 MAX_BATCH_OPS = 4096
 LENGTH_BYTES = 4                # a frame's length prefix
 
@@ -99,12 +99,15 @@ class AddRequest(_Op, tag="add"):
     mm_features: list[MultiModalFeature] | None = None
     prompt_embeds: bytes | None = None
     num_prompt_tokens: int = 0
+    # The LoRA adapter's path: vLLM 0.32 hashes it with the name (a pool of
+    # its semantics needs it for a LoRA request's token ids).
+    lora_path: str | None = None
 
 
 def add_request(req: str, prompt=None, block_hashes=None, num_tokens: int = 0,
                 lora_name: str | None = None, cache_salt: str | None = None,
                 skip_reading_prefix_cache: bool = False, mm_features=None,
-                prompt_embeds=None) -> AddRequest:
+                prompt_embeds=None, lora_path: str | None = None) -> AddRequest:
     """The AddRequest the clients' `add_request` sends: `prompt` any
     iterable of ids, `mm_features` (offset, length, identifier) triples,
     `prompt_embeds` any buffer (one row per prompt token; a 2-D array
@@ -120,7 +123,8 @@ def add_request(req: str, prompt=None, block_hashes=None, num_tokens: int = 0,
         n = len(prompt) if prompt is not None else num_tokens
         mm_features = list(check_mm_features(mm_features, n))
     return AddRequest(req, prompt, block_hashes, num_tokens, lora_name, cache_salt,
-                      skip_reading_prefix_cache, mm_features or None, prompt_embeds)
+                      skip_reading_prefix_cache, mm_features or None, prompt_embeds,
+                      lora_path=lora_path)
 
 
 class Advance(_Op, tag="advance"):
@@ -153,6 +157,9 @@ class AllocateSlots(_Op, tag="alloc"):
     full_sequence_must_fit: bool = False
     waiting: bool = False
     has_scheduled_reqs: bool = True
+    # Blocks to leave free after the allocation (vLLM 0.32 holds them back
+    # for asynchronous KV loads in flight).
+    reserved_blocks: int = 0
 
 
 class Admit(_Op, tag="admit"):

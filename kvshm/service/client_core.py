@@ -273,13 +273,15 @@ class Operations:
                     block_hashes: list[bytes] | None = None, num_tokens: int = 0,
                     lora_name: str | None = None, cache_salt: str | None = None,
                     skip_reading_prefix_cache: bool = False, mm_features=None,
-                    prompt_embeds=None, timeout: float | None = None) -> None:
+                    prompt_embeds=None, lora_path: str | None = None,
+                    timeout: float | None = None) -> None:
         """Add a request: its prompt's token ids (with its multimodal items
         and prompt embeds, if any), or the hashes of its full blocks and its
-        token count (see `protocol.add_request`)."""
+        token count (see `protocol.add_request`).  `lora_path`: the LoRA
+        adapter's path, which a pool of vLLM 0.32's semantics hashes."""
         return self._op(p.add_request(req, prompt, block_hashes, num_tokens, lora_name,
                                       cache_salt, skip_reading_prefix_cache, mm_features,
-                                      prompt_embeds), timeout, _nothing)
+                                      prompt_embeds, lora_path), timeout, _nothing)
 
     def advance(self, req: str, num_computed_tokens: int, append: Sequence[int] = (), *,
                 append_hashes: list[bytes] = (), num_appended: int = 0,
@@ -302,17 +304,20 @@ class Operations:
                        num_external_computed_tokens: int = 0, delay_cache_blocks: bool = False,
                        num_encoder_tokens: int = 0, full_sequence_must_fit: bool = False,
                        waiting: bool = False, has_scheduled_reqs: bool = True,
+                       reserved_blocks: int = 0,
                        timeout: float | None = None) -> list[list[int]] | None:
         """New block ids per group, or None if the pool is short of blocks.
         `use_computed_blocks` passes this request's last lookup's hits.  On a
         pool of vLLM 0.32's semantics, an admission from the waiting queue
         says `waiting` (and with `full_sequence_must_fit` is refused unless
         all its tokens fit; `has_scheduled_reqs`: others run, so the pool's
-        watermark applies); other pools ignore the three."""
+        watermark applies); other pools ignore the three.  `reserved_blocks`
+        must stay free after the allocation (any pool)."""
         return self._op(p.AllocateSlots(
             req, num_new_tokens, num_new_computed_tokens, use_computed_blocks,
             num_lookahead_tokens, num_external_computed_tokens, delay_cache_blocks,
-            num_encoder_tokens, full_sequence_must_fit, waiting, has_scheduled_reqs),
+            num_encoder_tokens, full_sequence_must_fit, waiting, has_scheduled_reqs,
+            reserved_blocks),
             timeout, _new_block_ids)
 
     def admit(self, req: str, max_new_tokens: int, *, num_lookahead_tokens: int = 0,

@@ -1,5 +1,6 @@
 """The coordinator's KV-event stream: vLLM's `KVEventsConfig` and a ZMQ
-publisher that speaks vLLM 0.14's wire protocol (pyzmq: `kvshm[events]`).
+publisher that speaks the wire protocol of the pool's vLLM release
+(pyzmq: `kvshm[events]`).
 
 Each batch (the events one frame caused, kvshm/core/events.py) goes out as
 three frames `[topic, seq, payload]`: seq counts batches from 0 as 8 bytes
@@ -8,8 +9,10 @@ data_parallel_rank]`.  An endpoint with `*` (or `::`, `ipc://`,
 `inproc://`) is bound, any other connected, as vLLM does.  The replay
 socket (ROUTER, bound at `replay_endpoint`) answers a request `[start_seq
 (8 bytes big-endian)]` with every buffered batch from that seq, each as
-`[seq, payload]`, then `[-1 (8 bytes, signed), b""]`; it keeps the last
-`buffer_steps` batches.
+`[seq, payload]`, then `[-1 (8 bytes, signed), b""]` (vLLM 0.32, for a
+pool of its semantics: `[topic, seq, payload]`, then `[b"", -1, b""]`); it
+keeps the last `buffer_steps` batches.  The events themselves are in the
+release's form too (kvshm/core/events.py).
 
 The event loop never waits for the network: `publish()` numbers the batch
 and puts it on a bounded queue (`max_queue_size` batches) that a thread
@@ -103,9 +106,10 @@ class EventPublisher:
     ConfigError for an endpoint ZMQ refuses (e.g. a port in use)."""
 
     def __init__(self, config: KVEventsConfig, *, data_parallel_rank: int = 0,
-                 linger: float = 1.0) -> None:
+                 linger: float = 1.0, replay_topic: bool = False) -> None:
         zmq = self._zmq = import_zmq()
         self.config = config
+        self.replay_topic = replay_topic      # vLLM 0.32's replay frames (module doc)
         self.rank = data_parallel_rank
         self.linger = linger
         self.published = 0          # batches sent
@@ -245,10 +249,12 @@ class EventPublisher:
             return
         client, _, start = frames
         start_seq = int.from_bytes(start, "big")
+        head = (client, b"", self._topic) if self.replay_topic else (client, b"")
         for seq, payload in list(self._buffer):
             if seq >= start_seq:
-                self._replay.send_multipart((client, b"", seq.to_bytes(8, "big"), payload))
-        self._replay.send_multipart((client, b"", END_SEQ, b""))
+                self._replay.send_multipart((*head, seq.to_bytes(8, "big"), payload))
+        end = (client, b"", b"") if self.replay_topic else (client, b"")
+        self._replay.send_multipart((*end, END_SEQ, b""))
 
     def _close_sockets(self) -> None:
         for sock in (self._pub, self._replay):
@@ -308,7 +314,8 @@ class EventSubscriber:
                 if not sock.poll(int(timeout * 1000)):
                     raise TimeoutError(f"no answer from the replay endpoint "
                                        f"{self._replay_endpoint} in {timeout:g}s")
-                _, seq_bytes, payload = sock.recv_multipart()
+                # [b"", seq, payload], or vLLM 0.32's [b"", topic, seq, payload]
+                seq_bytes, payload = sock.recv_multipart()[-2:]
                 if seq_bytes == END_SEQ:
                     return out
                 out.append((int.from_bytes(seq_bytes, "big"), self._decode(payload)))

@@ -142,7 +142,7 @@ class RequestMirror:
             ops.append(p.AddRequest(
                 rid, r.tokens, r.hashes, 0 if r.tokens is not None else r.num_tokens,
                 o.lora_name, o.cache_salt, o.skip_reading_prefix_cache, o.mm_features,
-                o.prompt_embeds, r.num_prompt if r.tokens is not None else 0))
+                o.prompt_embeds, r.num_prompt if r.tokens is not None else 0, o.lora_path))
             ops.append(p.Advance(rid, r.computed))
             if r.hits is not None:
                 ops.append(p.RestoreHits(rid, r.hits))

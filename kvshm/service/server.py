@@ -221,7 +221,8 @@ class Coordinator:
         self.publisher: EventPublisher | None = None
         if kv_events is not None and kv_events.publishes:
             try:
-                self.publisher = EventPublisher(kv_events)
+                self.publisher = EventPublisher(
+                    kv_events, replay_topic=self.mgr.semantics.event_maps)
             except BaseException:
                 self.pool.close(unlink=not adopt)
                 raise

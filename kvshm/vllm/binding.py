@@ -39,10 +39,15 @@ class Backend(Protocol):
 
     def usage(self) -> float: ...
     def block_hash(self, block_id: int) -> bytes | None: ...
-    def get_computed_blocks(self, request) -> tuple[list[list[int]], int]: ...
+    def get_computed_blocks(self, request) -> tuple[list[list[int]], int, int]: ...
     def allocate_slots(self, request, num_new_tokens, num_new_computed_tokens, hits,
                        num_lookahead_tokens, num_external_computed_tokens,
-                       delay_cache_blocks, num_encoder_tokens) -> list[list[int]] | None: ...
+                       delay_cache_blocks, num_encoder_tokens,
+                       full_sequence_must_fit: bool = False, waiting: bool = False,
+                       has_scheduled_reqs: bool = True,
+                       reserved_blocks: int = 0) -> list[list[int]] | None: ...
+    def estimate_cached_tokens(self, request_id: str) -> int: ...
+    def new_step_starts(self) -> None: ...
     def free(self, request) -> None: ...
     def remove_skipped_blocks(self, request_id: str, total_computed_tokens: int) -> None: ...
     def evict_blocks(self, block_ids: list[int]) -> None: ...
@@ -62,8 +67,9 @@ class EmbeddedBackend:
         self.manager = m = KVCacheManager(config, name=f"kvshm-vllm-{os.getpid()}")
         self.num_blocks = config.num_blocks
         self.block_hash = m.block_pool.block_hash
-        self.get_computed_blocks = m.get_computed_blocks
         self.allocate_slots = m.allocate_slots
+        self.estimate_cached_tokens = m.estimate_cached_tokens
+        self.new_step_starts = m.new_step_starts
         self.free = m.free
         self.remove_skipped_blocks = m.remove_skipped_blocks
         self.evict_blocks = m.evict_blocks
@@ -74,6 +80,11 @@ class EmbeddedBackend:
 
     def usage(self) -> float:
         return self.manager.usage
+
+    def get_computed_blocks(self, request) -> tuple[list[list[int]], int, int]:
+        m = self.manager
+        hits, n = m.get_computed_blocks(request)
+        return hits, n, m.shared_prefix_boundary
 
     def start_events(self) -> None:
         self.manager.enable_events()
@@ -194,11 +205,9 @@ class PoolBinding:
         self.engine_hashing(vllm_config, pool.hash_algorithm, pool.hash_seed)
         vllm_config.cache_config.num_gpu_blocks_override = pool.num_blocks
 
-    def kv_cache_tensors(self, runner, kv_cache_config) -> dict:
-        """The engine's raw KV-cache tensors (vLLM reshapes them per layer):
-        views of the pool's arena, so every engine computes into, and reads
-        hits from, the same bytes."""
-        import torch
+    def checked_arena(self, kv_cache_config):
+        """The pool's arena, once the engine's KV-cache config is found to
+        fit it (else PoolRefused, the differences named)."""
         from kvshm.vllm.specs import arena_differences
         client = self.connect()
         problems = arena_differences(client.config, kv_cache_config)
@@ -206,7 +215,15 @@ class PoolBinding:
             raise PoolRefused(_refusal(self.target, problems))
         if self.arena is None:
             self.arena = client.attach_arena()
-        layout, buf = self.arena.layout, self.arena.buffer
+        return self.arena
+
+    def kv_cache_tensors(self, runner, kv_cache_config) -> dict:
+        """vLLM 0.14: the engine's raw KV-cache tensors (vLLM reshapes them
+        per layer): views of the pool's arena, so every engine computes
+        into, and reads hits from, the same bytes."""
+        import torch
+        arena = self.checked_arena(kv_cache_config)
+        layout, buf = arena.layout, arena.buffer
         raw = {}
         for i, t in enumerate(kv_cache_config.kv_cache_tensors):
             offset, size = layout.layer_region(i)
@@ -215,11 +232,50 @@ class PoolBinding:
                 raw[name] = tensor
         return raw
 
+    def kv_cache_views(self, kv_cache_config, device, layout,
+                       kernel_block_sizes: list[int] | None = None) -> dict:
+        """vLLM 0.32: the engine's per-layer KV-cache views (vLLM's own
+        views of its one backing allocation, which is the pool arena's data),
+        so every engine computes into, and reads hits from, the same bytes."""
+        import torch
+        from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs, create_kv_cache_views
+        arena = self.checked_arena(kv_cache_config)
+        size = kv_cache_config.kv_cache_tensors[0].size
+        raw = torch.frombuffer(arena.buffer, dtype=torch.int8, count=size,
+                               offset=arena.layout.data_offset)
+        views = {}
+        groups = kv_cache_config.kv_cache_groups
+        for tensor in kv_cache_config.kv_cache_tensors:
+            gid = next(g for g, group in enumerate(groups)
+                       if tensor.layers[0] in group.layer_names)
+            spec = groups[gid].kv_cache_spec
+            if isinstance(spec, UniformTypeKVCacheSpecs):
+                spec = spec.kv_cache_specs[tensor.layers[0]]
+            kernel = (kernel_block_sizes[gid] if kernel_block_sizes is not None
+                      and gid < len(kernel_block_sizes) else None)
+            views.update(zip(tensor.layers, create_kv_cache_views(
+                raw, spec, kv_cache_config.num_blocks_of(tensor), layout, tensor,
+                kernel_block_size=kernel)))
+        return views
+
     def gate_scheduler(self, scheduler) -> None:
         """On a shared pool, give the engine's scheduler the plugin's KV
         connector (gate.py), so that a request waiting for tokens another
         engine is computing is skipped, not a block on the whole queue;
-        unless the engine has a connector of its own or never waits."""
+        unless the engine has a connector of its own or never waits.
+
+        On vLLM 0.32 an engine's own connector that loads K/V (a consumer)
+        is refused: its asynchronous loads would have the scheduler size
+        the blocks held for them through the manager's coordinator, which
+        the plugin does not reproduce."""
+        own = scheduler.connector
+        if own is not None and vllm_release() != "0.14.0":
+            transfer = scheduler.vllm_config.kv_transfer_config
+            if transfer.is_kv_consumer or own.supports_divergent_local_hybrid_hits:
+                raise PoolRefused(
+                    f"this engine's KV connector ({type(own).__name__}) loads K/V into the "
+                    f"cache, which kvshm pools do not support on vLLM {vllm_release()}: "
+                    "run it without KVSHM_POOL, or with a connector that only saves")
         backend = self.backend
         if self.embedded or backend is None or not backend.wait_in_flight:
             return
@@ -239,8 +295,10 @@ class PoolBinding:
     # -- backends ------------------------------------------------------------------
     def open_backend(self, kv_cache_config, *, max_model_len: int, hash_block_size: int,
                      enable_caching: bool, use_eagle: bool, dcp_world_size: int,
-                     pcp_world_size: int) -> Backend:
-        """The backend of the scheduler's manager (one per process)."""
+                     pcp_world_size: int, release: dict | None = None) -> Backend:
+        """The backend of the scheduler's manager (one per process).
+        `release`: the pool config's keys the engine's release sets
+        (`vllm_version`, and 0.32's `watermark` and `max_in_flight_tokens`)."""
         from kvshm.vllm.specs import config_differences, pool_config
         if self.engine_config is None:
             raise ConfigError("KVSHM_POOL", "the kvshm plugin's scheduler patch did not run")
@@ -248,7 +306,8 @@ class PoolBinding:
             raise ConfigError("KVSHM_POOL", "one kvshm pool manager per engine process")
         shape = dict(max_model_len=max_model_len, hash_block_size=hash_block_size,
                      enable_caching=enable_caching, use_eagle=use_eagle,
-                     dcp_world_size=dcp_world_size, pcp_world_size=pcp_world_size)
+                     dcp_world_size=dcp_world_size, pcp_world_size=pcp_world_size,
+                     **(release or {}))
         if self.embedded:
             algo, seed = self.engine_hashing(self.engine_config, None, None)
             config = pool_config(

@@ -29,12 +29,30 @@ class _NoTransfers(KVConnectorMetadata):
 
 
 class InFlightGate(SupportsHMA):
-    """The scheduler-side connector calls vLLM 0.14 makes, over the pool's
-    backend (see the module doc)."""
+    """The scheduler-side connector calls vLLM 0.14 and 0.32 make, over the
+    pool's backend (see the module doc)."""
+
+    # 0.32 asks these of every connector: the gate loads nothing, so local
+    # hits are all there is, no request's delivery depends on it, and it
+    # never holds blocks or work back.
+    supports_divergent_local_hybrid_hits = False
+    requires_kv_delivery = False
 
     def __init__(self, backend) -> None:
         self.backend = backend
         backend.skips_waiting = True
+
+    def on_new_request(self, request) -> None:
+        pass
+
+    def has_pending_block_frees(self) -> bool:
+        return False
+
+    def has_pending_push_work(self) -> bool:
+        return False
+
+    def get_loaded_kv_cache_group_ids(self, request) -> tuple[int, ...]:
+        return ()
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
         if self.backend.waits(request.request_id):

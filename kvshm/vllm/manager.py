@@ -11,12 +11,20 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import msgspec
+
+from vllm.v1 import kv_cache_interface as vi
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
 from vllm.v1.metrics.stats import PrefixCacheStats
+from vllm.v1.request import RequestStatus
 
+from kvshm.core.errors import ConfigError
 from kvshm.core.events import BlockRemoved, BlockStored
 from kvshm.vllm.binding import Backend, current_binding
+
+# A request the scheduler admits from its waiting queue (new or preempted).
+_WAITING = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
 
 
 def _block_class(backend: Backend) -> type:
@@ -36,6 +44,14 @@ class PoolKVCacheManager:
                  log_stats: bool = False, enable_kv_cache_events: bool = False,
                  dcp_world_size: int = 1, pcp_world_size: int = 1,
                  metrics_collector=None) -> None:
+        self._open(kv_cache_config, max_model_len, hash_block_size, enable_caching, use_eagle,
+                   log_stats, enable_kv_cache_events, dcp_world_size, pcp_world_size,
+                   metrics_collector, {})
+
+    def _open(self, kv_cache_config, max_model_len: int, hash_block_size: int,
+              enable_caching: bool, use_eagle: bool, log_stats: bool,
+              enable_kv_cache_events: bool, dcp_world_size: int, pcp_world_size: int,
+              metrics_collector, release: dict) -> None:
         self.max_model_len = max_model_len
         self.enable_caching = enable_caching
         self.use_eagle = use_eagle
@@ -47,7 +63,7 @@ class PoolKVCacheManager:
         self.backend = backend = current_binding().open_backend(
             kv_cache_config, max_model_len=max_model_len, hash_block_size=hash_block_size,
             enable_caching=enable_caching, use_eagle=use_eagle,
-            dcp_world_size=dcp_world_size, pcp_world_size=pcp_world_size)
+            dcp_world_size=dcp_world_size, pcp_world_size=pcp_world_size, release=release)
         block = _block_class(backend)
         self._blocks = [block(i, is_null=(i == 0)) for i in range(backend.num_blocks)]
         # KV-cache events: what this engine's own calls cached and evicted,
@@ -90,7 +106,7 @@ class PoolKVCacheManager:
     def get_computed_blocks(self, request) -> tuple[KVCacheBlocks, int]:
         if not self.enable_caching or request.skip_reading_prefix_cache:
             return self.empty_kv_cache_blocks, 0
-        ids, n = self.backend.get_computed_blocks(request)
+        ids, n, _ = self.backend.get_computed_blocks(request)
         if self.log_stats:
             self.prefix_cache_stats.record(num_tokens=request.num_tokens, num_hits=n,
                                            preempted=request.num_preemptions > 0)
@@ -155,3 +171,155 @@ def _vllm_event(event):
     if isinstance(event, BlockRemoved):
         return ve.BlockRemoved(block_hashes=event.block_hashes, medium=event.medium)
     return ve.AllBlocksCleared()
+
+
+class PoolKVCacheManager032(PoolKVCacheManager):
+    """Drop-in for vLLM 0.32's `KVCacheManager`: the constructor, the
+    three-valued lookup, stats counted at admission (the scheduler calls
+    `record_prefix_cache_stats`), the admission arguments of
+    `allocate_slots`, the step hooks, and the attributes the scheduler and
+    engine core read.  Its pool reproduces 0.32's semantics
+    (`vllm_version = "0.32.0"`, kvshm/core/semantics.py).
+
+    The hooks that hand the scheduler block copies, state offloads and
+    blocks to zero answer empty: they only ever have content for sub-block
+    hits, Mamba's "align" mode or mixed-precision caches, which the
+    constructor refuses.  So does an engine whose MTP drafter re-prefills
+    tokens (`num_prefill_lookahead` above 1)."""
+
+    def __init__(self, kv_cache_config, max_model_len: int, scheduler_block_size: int,
+                 hash_block_size: int, max_in_flight_tokens: int | None = None,
+                 enable_caching: bool = True, use_eagle: bool = False,
+                 num_prefill_lookahead: int = 0, log_stats: bool = False,
+                 enable_kv_cache_events: bool = False, dcp_world_size: int = 1,
+                 pcp_world_size: int = 1, metrics_collector=None, watermark: float = 0.0,
+                 enable_mamba_shared_prefix_checkpoint: bool = False) -> None:
+        refused = []
+        if num_prefill_lookahead > 1:
+            refused.append(f"a drafter that re-prefills tokens (num_prefill_lookahead "
+                           f"{num_prefill_lookahead})")
+        if enable_mamba_shared_prefix_checkpoint:
+            refused.append("Mamba shared-prefix checkpoints")
+        if kv_cache_config.needs_kv_cache_zeroing:
+            refused.append("a KV cache whose new blocks must be zeroed (Mamba layers or "
+                           "mixed precision)")
+        sizes = [g.kv_cache_spec.block_size for g in kv_cache_config.kv_cache_groups]
+        if scheduler_block_size != hash_block_size or any(s != hash_block_size for s in sizes):
+            refused.append(f"KV-cache groups of other block sizes than the hash block "
+                           f"(scheduler {scheduler_block_size}, hash {hash_block_size}, "
+                           f"groups {sizes})")
+        if refused:
+            raise ConfigError("KVSHM_POOL", "kvshm pools do not reproduce vLLM 0.32's "
+                              + "; ".join(refused) + ": unset KVSHM_POOL to run this engine "
+                              "on vLLM's own KV-cache manager")
+        self._open(kv_cache_config, max_model_len, hash_block_size, enable_caching, use_eagle,
+                   log_stats, enable_kv_cache_events, dcp_world_size, pcp_world_size,
+                   metrics_collector,
+                   dict(vllm_version="0.32.0", watermark=watermark,
+                        max_in_flight_tokens=max_in_flight_tokens))
+        self.mamba_shared_prefix_checkpoint = False
+        self.coordinator = _Coordinator(kv_cache_config)
+        specs = [g.kv_cache_spec for g in kv_cache_config.kv_cache_groups]
+        # Which groups' blocks cover computed tokens (not cross-attention's).
+        self._clipped = [isinstance(s, vi.AttentionSpec) and not isinstance(
+            s, (vi.CrossAttentionSpec, vi.EncoderOnlyAttentionSpec)) for s in specs]
+
+    def prefix_cache_lookup_enabled(self, request) -> bool:
+        return self.enable_caching and not request.skip_reading_prefix_cache
+
+    def get_computed_blocks(self, request) -> tuple[KVCacheBlocks, int, int]:
+        if not self.prefix_cache_lookup_enabled(request):
+            return self.empty_kv_cache_blocks, 0, 0
+        ids, n, boundary = self.backend.get_computed_blocks(request)
+        return self.create_kv_cache_blocks(ids), n, boundary
+
+    def record_prefix_cache_stats(self, request, num_hits: int) -> None:
+        """An admitted request's lookup (0.32 counts admissions, not lookups)."""
+        if not self.log_stats or not self.prefix_cache_lookup_enabled(request):
+            return
+        self.prefix_cache_stats.record(num_tokens=request.num_tokens, num_hits=num_hits,
+                                       preempted=request.num_preemptions > 0)
+
+    def allocate_slots(self, request, num_new_tokens: int, num_new_computed_tokens: int = 0,
+                       new_computed_blocks: KVCacheBlocks | None = None,
+                       num_lookahead_tokens: int = 0, num_external_computed_tokens: int = 0,
+                       delay_cache_blocks: bool = False, num_encoder_tokens: int = 0,
+                       full_sequence_must_fit: bool = False, reserved_blocks: int = 0,
+                       has_scheduled_reqs: bool = True,
+                       skip_zeroing_group_ids: tuple[int, ...] = ()) -> KVCacheBlocks | None:
+        # (no block is ever zeroed: skip_zeroing_group_ids has nothing to skip)
+        waiting = request.status in _WAITING
+        new = self.backend.allocate_slots(
+            request, num_new_tokens, num_new_computed_tokens, self._ids(new_computed_blocks),
+            num_lookahead_tokens, num_external_computed_tokens, delay_cache_blocks,
+            num_encoder_tokens, full_sequence_must_fit, waiting, has_scheduled_reqs,
+            reserved_blocks)
+        return None if new is None else self.create_kv_cache_blocks(new)
+
+    def remove_skipped_blocks(self, request_id: str, processed_computed_tokens: int,
+                              num_prompt_tokens: int | None = None) -> None:
+        self.backend.remove_skipped_blocks(request_id, processed_computed_tokens)
+
+    def get_block_ids_for_computed_tokens(self, request_id: str,
+                                          num_computed_tokens: int) -> tuple[list[int], ...]:
+        """The request's blocks that hold its first `num_computed_tokens`
+        tokens (cross-attention's whole)."""
+        out = []
+        for ids, clipped, group in zip(self.get_block_ids(request_id), self._clipped,
+                                       self.kv_cache_config.kv_cache_groups):
+            size = group.kv_cache_spec.block_size
+            out.append(ids[:-(-num_computed_tokens // size)] if clipped else ids)
+        return tuple(out)
+
+    def estimate_cached_tokens(self, request) -> int:
+        return self.backend.estimate_cached_tokens(request.request_id)
+
+    def new_step_starts(self) -> None:
+        self.backend.new_step_starts()
+
+    def take_new_block_ids(self) -> list[int]:
+        return []
+
+    def take_kv_cache_block_copies(self) -> tuple[list, list]:
+        return [], []
+
+    def take_boundary_state_offloads(self) -> dict[str, list[tuple[int, int, int]]]:
+        return {}
+
+    def take_events(self) -> list:
+        if not self.enable_kv_cache_events:
+            return []
+        return [_vllm_032_event(e) for e in self.backend.take_events()]
+
+
+class _Coordinator:
+    """What vLLM 0.32's scheduler and engine core read of the manager's
+    coordinator: each group's block size and spec, and that hits never end
+    inside a block."""
+
+    enable_partial_hash_hits = False
+
+    def __init__(self, kv_cache_config) -> None:
+        self.single_type_managers = [_GroupView(g.kv_cache_spec)
+                                     for g in kv_cache_config.kv_cache_groups]
+
+
+class _GroupView:
+    __slots__ = ("kv_cache_spec", "block_size")
+
+    def __init__(self, spec) -> None:
+        self.kv_cache_spec = spec
+        self.block_size = spec.block_size
+
+
+def _vllm_032_event(event):
+    """A pool's event in vLLM 0.32's form (kvshm.core.events.MapBlockStored
+    and kin: its pool reproduces 0.32) as vLLM's own struct, field for field."""
+    from vllm.distributed import kv_events as ve
+    cls = {"BlockStored": ve.BlockStored, "BlockRemoved": ve.BlockRemoved,
+           "AllBlocksCleared": ve.AllBlocksCleared}[event.__struct_config__.tag]
+    return cls(**msgspec.structs.asdict(event))
+
+
+# The manager class of each release the plugin speaks.
+MANAGERS = {"0.14.0": PoolKVCacheManager, "0.32.0": PoolKVCacheManager032}

@@ -1,15 +1,16 @@
-"""Where the plugin hooks into vLLM 0.14 (installed once per process by
-`kvshm.vllm.register` when KVSHM_POOL is set):
+"""Where the plugin hooks into vLLM 0.14 and 0.32 (installed once per
+process by `kvshm.vllm.register` when KVSHM_POOL is set):
 
-- the scheduler's `KVCacheManager` is kvshm's `PoolKVCacheManager`, and
-  `Scheduler.__init__` hands the engine's config to the process's binding
-  first;
+- the scheduler's `KVCacheManager` is kvshm's manager of the engine's
+  release (`manager.MANAGERS`), and `Scheduler.__init__` hands the engine's
+  config to the process's binding first;
 - `EngineCore.__init__` checks, once vLLM has derived it, that the parent
   hash of block 0 is the pool's;
 - shared pools only: the engine's block count is the pool's
   (`EngineCore._initialize_kv_caches`), the KV-cache tensors are views of
-  the pool's arena (`GPUModelRunner._allocate_kv_cache_tensors`, which the
-  CPU model runner inherits), a step's computed blocks become hits for the
+  the pool's arena (0.14: `GPUModelRunner._allocate_kv_cache_tensors`,
+  which the CPU model runner inherits; 0.32: the `allocate_kv_cache` the
+  model runner module imports), a step's computed blocks become hits for the
   other engines once its forward pass wrote their K/V
   (`Scheduler.update_from_output`), and the scheduler gets the plugin's KV
   connector (`gate.py`) if it has none, once the engine core is built.
@@ -31,10 +32,12 @@ def install() -> None:
     from vllm.v1.engine import core as core_mod
 
     from kvshm.vllm.binding import current_binding
-    from kvshm.vllm.manager import PoolKVCacheManager
+    from kvshm.vllm.manager import MANAGERS
+    from kvshm.vllm.release import vllm_release
 
     binding = current_binding()
-    sched_mod.KVCacheManager = PoolKVCacheManager
+    release = vllm_release()
+    sched_mod.KVCacheManager = MANAGERS[release]
     Scheduler = sched_mod.Scheduler
 
     init = Scheduler.__init__
@@ -72,11 +75,19 @@ def install() -> None:
 
         EngineCore._initialize_kv_caches = initialize_kv_caches
 
-        @functools.wraps(runner._allocate_kv_cache_tensors)
-        def allocate_kv_cache_tensors(self, kv_cache_config):
-            return binding.kv_cache_tensors(self, kv_cache_config)
+        if release == "0.14.0":
+            @functools.wraps(runner._allocate_kv_cache_tensors)
+            def allocate_kv_cache_tensors(self, kv_cache_config):
+                return binding.kv_cache_tensors(self, kv_cache_config)
 
-        runner._allocate_kv_cache_tensors = allocate_kv_cache_tensors
+            runner._allocate_kv_cache_tensors = allocate_kv_cache_tensors
+        else:
+            @functools.wraps(runner_mod.allocate_kv_cache)
+            def allocate_kv_cache(kv_cache_config, device, layout, kernel_block_sizes=None):
+                return binding.kv_cache_views(kv_cache_config, device, layout,
+                                              kernel_block_sizes)
+
+            runner_mod.allocate_kv_cache = allocate_kv_cache
 
         update = Scheduler.update_from_output
 

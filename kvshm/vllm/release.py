@@ -7,7 +7,7 @@ import os
 
 # The vLLM releases whose scheduler, manager interface and KV events the
 # plugin speaks (a local label such as "+cpu" is ignored).
-SUPPORTED_VLLM = ("0.14.0",)
+SUPPORTED_VLLM = ("0.14.0", "0.32.0")
 
 
 class UnsupportedVllm(SystemExit):

@@ -49,7 +49,7 @@ import time
 from kvshm.core.errors import StaleHits
 from kvshm.core.events import decode_events
 from kvshm.core.hashing import HASH_SLOT_BYTES
-from kvshm.core.specs import CrossAttentionSpec, FullSpec, MLASpec, PoolConfig
+from kvshm.core.specs import CrossAttentionSpec, FullSpec, MambaSpec, MLASpec, PoolConfig
 from kvshm.core.state import FLAG_CACHED
 from kvshm.ops import protocol as p
 from kvshm.ops.errors import Forbidden, ReplyLost, ResumeFailed
@@ -86,7 +86,7 @@ class RemoteBackend:
         # its answer).
         self._in_flight: dict[str, int] = {}
         self._wait_until: dict[str, float] = {}
-        self._looked_up: dict[str, tuple[float, list[list[int]], int, int]] = {}
+        self._looked_up: dict[str, tuple[float, list[list[int]], int, int, int]] = {}
         self.in_flight_waits = 0     # requests that waited for tokens in flight
         # The scheduler skips a waiting request (the plugin's connector asks
         # `waits`) rather than taking a None allocation as a full pool.
@@ -113,6 +113,11 @@ class RemoteBackend:
                              for g in range(len(self.config.groups))]
         self._local = self._mirror is not None and all(
             isinstance(g, _LOCAL) for g in self.config.groups)
+        self._cross = [isinstance(g, CrossAttentionSpec) for g in self.config.groups]
+        # vLLM 0.32's step hook matters to Mamba groups only (their same-step
+        # deferral): on such a pool it travels with the step's first frame.
+        self._marks_steps = any(isinstance(g, MambaSpec) for g in self.config.groups)
+        self._step_began = False
         self.local_allocations = 0   # allocations answered without a round trip
         self.stale_hits = 0          # allocations retried because another engine took the hit
         self._warned: set[str] = set()
@@ -151,6 +156,9 @@ class RemoteBackend:
         queued; the last op's reply."""
         if self._lost is not None:
             raise self._lost
+        if self._step_began:
+            ops = [p.NewStepStarts()] + ops
+            self._step_began = False
         if self._report:
             ops = [p.Advance(rid, c) for rid, c in self._report.items()] + ops
             self._report = {}
@@ -163,29 +171,29 @@ class RemoteBackend:
             raise self._lost from e
 
     # -- the manager's calls ---------------------------------------------------------------
-    def get_computed_blocks(self, request) -> tuple[list[list[int]], int]:
+    def get_computed_blocks(self, request) -> tuple[list[list[int]], int, int]:
         rid = request.request_id
         last = self._looked_up.get(rid) if rid in self._wait_until else None
         if last is not None:
-            when, ids, n, in_flight = last
+            when, ids, n, boundary, in_flight = last
             now = time.monotonic()
             if now < when + self.in_flight_poll:
                 # Skipped (the step's end sleeps if nothing ran), or other
                 # requests run this step: the last answer stands.
                 if self.skips_waiting or self._step_start:
                     self._in_flight[rid] = in_flight
-                    return ids, n
+                    return ids, n, boundary
                 if not self._report:             # else this step would be empty
                     time.sleep(when + self.in_flight_poll - now)
         r = self._run(self._sync(request) + [p.GetComputedBlocks(rid)])
         if r.num_in_flight_tokens:
             self._in_flight[rid] = r.num_in_flight_tokens
             self._looked_up[rid] = (time.monotonic(), r.block_ids, r.num_computed_tokens,
-                                    r.num_in_flight_tokens)
+                                    r.shared_prefix_boundary, r.num_in_flight_tokens)
         else:
             self._in_flight.pop(rid, None)
             self._looked_up.pop(rid, None)
-        return r.block_ids, r.num_computed_tokens
+        return r.block_ids, r.num_computed_tokens, r.shared_prefix_boundary
 
     def waits(self, rid: str) -> bool:
         """Whether the waiting request `rid`, just looked up, waits for its
@@ -209,7 +217,10 @@ class RemoteBackend:
 
     def allocate_slots(self, request, num_new_tokens, num_new_computed_tokens, hits,
                        num_lookahead_tokens, num_external_computed_tokens,
-                       delay_cache_blocks, num_encoder_tokens) -> list[list[int]] | None:
+                       delay_cache_blocks, num_encoder_tokens,
+                       full_sequence_must_fit: bool = False, waiting: bool = False,
+                       has_scheduled_reqs: bool = True,
+                       reserved_blocks: int = 0) -> list[list[int]] | None:
         if self._lost is not None:
             raise self._lost
         rid = request.request_id
@@ -217,6 +228,7 @@ class RemoteBackend:
             return None                              # (only lookups set _in_flight)
         total = request.num_computed_tokens + num_new_computed_tokens
         if (hits is None and not num_external_computed_tokens and not num_encoder_tokens
+                and not waiting and not reserved_blocks
                 and self._unchanged(request, total, num_new_tokens + num_lookahead_tokens,
                                     delay_cache_blocks)):
             self.local_allocations += 1
@@ -225,7 +237,8 @@ class RemoteBackend:
         ops = self._sync(request) + [p.AllocateSlots(
             rid, num_new_tokens, num_new_computed_tokens, hits is not None,
             num_lookahead_tokens, num_external_computed_tokens, delay_cache_blocks,
-            num_encoder_tokens)]
+            num_encoder_tokens, full_sequence_must_fit, waiting, has_scheduled_reqs,
+            reserved_blocks)]
         try:
             new = self._run(ops).new_block_ids
         except StaleHits:
@@ -306,6 +319,32 @@ class RemoteBackend:
                     and any((c + n) // bs > computed // bs for bs in sizes)):
                 report[rid] = c + n
         start.clear()
+
+    def new_step_starts(self) -> None:
+        """vLLM 0.32's scheduler begins a step: the pool hears of it with
+        this engine's next frame (only where a group needs it)."""
+        if self._marks_steps:
+            self._step_began = True
+
+    def estimate_cached_tokens(self, request_id: str) -> int:
+        """The core's `estimate_cached_tokens`, from the block ids this
+        backend keeps and the pool's cached flags where it keeps them (no
+        round trip: vLLM 0.32 asks it at every request's first output)."""
+        held = None if self._mirror is None else self._mirror.get(request_id)
+        if held is None:
+            if request_id not in self._held:
+                return 0
+            return self._run([p.EstimateCachedTokens(request_id)]).num_tokens
+        least = None
+        for blocks, bs, cross in zip(held, self._block_sizes, self._cross):
+            if cross:
+                continue
+            end = 0
+            for i, b in enumerate(blocks):
+                if b and self._flags[b] & FLAG_CACHED:
+                    end = (i + 1) * bs
+            least = end if least is None or end < least else least
+        return least or 0
 
     def cache_blocks(self, request, num_computed_tokens: int) -> None:
         rid = request.request_id

@@ -67,8 +67,12 @@ def pool_config(kv_cache_config: vi.KVCacheConfig, *, max_model_len: int,
                 hash_block_size: int, enable_caching: bool, use_eagle: bool,
                 dcp_world_size: int, pcp_world_size: int, max_num_seqs: int,
                 hash_algorithm: str, hash_seed: str,
-                max_encoder_len: int | None = None) -> PoolConfig:
-    """The pool config of a vLLM engine's KV cache."""
+                max_encoder_len: int | None = None, vllm_version: str = "0.14.0",
+                watermark: float = 0.0,
+                max_in_flight_tokens: int | None = None) -> PoolConfig:
+    """The pool config of a vLLM engine's KV cache (of the release whose
+    semantics it is to reproduce: `vllm_version`, and 0.32's admission
+    `watermark` and `max_in_flight_tokens`)."""
     if pcp_world_size != 1:
         raise ConfigError("pcp_world_size", "kvshm pools support prefill context "
                           f"parallelism of 1 only (got {pcp_world_size})")
@@ -78,15 +82,19 @@ def pool_config(kv_cache_config: vi.KVCacheConfig, *, max_model_len: int,
         max_model_len=max_model_len, groups=groups, enable_caching=enable_caching,
         use_eagle=use_eagle, dcp_world_size=dcp_world_size, max_num_seqs=max_num_seqs,
         max_encoder_len=max_encoder_len, hash_algorithm=hash_algorithm,
-        hash_seed=hash_seed)
+        hash_seed=hash_seed, vllm_version=vllm_version, watermark=watermark,
+        max_in_flight_tokens=max_in_flight_tokens)
 
 
 def config_differences(pool: PoolConfig, engine: PoolConfig) -> list[str]:
     """What an engine's KV-cache config has that the pool's does not, field
     by field (request-table size and caching aside: the pool's win)."""
     out = []
-    for name in ("groups", "hash_block_size", "use_eagle", "dcp_world_size",
-                 "hash_algorithm"):
+    names = ["groups", "hash_block_size", "use_eagle", "dcp_world_size", "hash_algorithm",
+             "vllm_version", "watermark"]
+    if any(isinstance(g, (SlidingWindowSpec, ChunkedLocalSpec)) for g in pool.groups):
+        names.append("max_in_flight_tokens")     # (it bounds windowed groups only)
+    for name in names:
         a, b = getattr(pool, name), getattr(engine, name)
         if a != b:
             out.append(f"{name}: pool {_show(a)}, engine {_show(b)}")
@@ -137,8 +145,11 @@ def arena_differences(pool: PoolConfig, kv_cache_config: vi.KVCacheConfig) -> li
     if kv_cache_config.num_blocks != pool.num_blocks:
         out.append(f"num_blocks: pool {pool.num_blocks}, engine {kv_cache_config.num_blocks}")
     tensors = kv_cache_config.kv_cache_tensors
-    if len(tensors) != kv.num_layers:
-        out.append(f"layers: pool {kv.num_layers}, engine {len(tensors)}")
+    # (0.14: one tensor per layer; 0.32: tensors of several layers each)
+    v32 = bool(tensors) and hasattr(tensors[0], "layer_stride")
+    num_layers = sum(len(t.layers) for t in tensors) if v32 else len(tensors)
+    if not tensors or num_layers != kv.num_layers:
+        out.append(f"layers: pool {kv.num_layers}, engine {num_layers}")
     for g, group in enumerate(kv_cache_config.kv_cache_groups):
         spec = group.kv_cache_spec
         if not isinstance(spec, vi.AttentionSpec):
@@ -149,11 +160,21 @@ def arena_differences(pool: PoolConfig, kv_cache_config: vi.KVCacheConfig) -> li
                                 ("KV dtype", kv.dtype, _dtype_name(spec.dtype))):
             if want != got:
                 out.append(f"group {g} {name}: pool {want}, engine {got}")
-    if not out:
-        layout = ArenaLayout(pool)
-        for i, t in enumerate(tensors):
-            size = layout.layer_region(i)[1]
-            if t.size != size:
-                out.append(f"layer {i} tensor: pool {size:,} bytes, engine {t.size:,}")
-                break
+    if out:
+        return out
+    layout = ArenaLayout(pool)
+    if v32:
+        # vLLM 0.32: every tensor places its layers in one backing
+        # allocation, which is the arena's data (each layer's place in it
+        # vLLM's own, from the tensor's offset and strides).
+        size = layout.block_bytes * pool.num_blocks
+        if {t.size for t in tensors} != {size}:
+            out.append(f"KV cache: pool {size:,} bytes, engine "
+                       f"{', '.join(f'{s:,}' for s in sorted({t.size for t in tensors}))}")
+        return out
+    for i, t in enumerate(tensors):
+        size = layout.layer_region(i)[1]
+        if t.size != size:
+            out.append(f"layer {i} tensor: pool {size:,} bytes, engine {t.size:,}")
+            break
     return out
