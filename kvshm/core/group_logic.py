@@ -160,16 +160,9 @@ class GroupLogic:
         """Per prefix-cached group (not cross-attention) the end of the last
         cached block the request holds, the least over groups; 0 if none."""
         cached = self.pool.block_hash
-        least = None
-        for m, cross in zip(self.managers, self.cross):
-            if cross:
-                continue
-            end = 0
-            for i, b in enumerate(m.req_to_blocks.get(request_id, ())):
-                if b and cached(b) is not None:
-                    end = (i + 1) * m.block_size
-            least = end if least is None or end < least else least
-        return least or 0
+        return cached_tokens([m.req_to_blocks.get(request_id, ()) for m in self.managers],
+                             [m.block_size for m in self.managers], self.cross,
+                             lambda b: cached(b) is not None)
 
     def get_blocks(self, request_id: str) -> BlockIds:
         return tuple(list(m.req_to_blocks.get(request_id) or ()) for m in self.managers)
@@ -360,3 +353,21 @@ def any_blocks(blocks: Sequence[Sequence[int]]) -> bool:
         if b:
             return True
     return False
+
+
+def cached_tokens(blocks: Sequence[Sequence[int]], block_sizes: Sequence[int],
+                  cross: Sequence[bool], is_cached) -> int:
+    """vLLM 0.32's `estimate_cached_tokens` of a request holding `blocks`
+    (per group): per group but cross-attention's, the end of the last block
+    `is_cached(block)` says is cached; the least over groups; 0 if none.
+    (The core asks its pool; an engine's backend the pool's flags.)"""
+    least = None
+    for group, size, is_cross in zip(blocks, block_sizes, cross):
+        if is_cross:
+            continue
+        end = 0
+        for i, b in enumerate(group):
+            if b and is_cached(b):
+                end = (i + 1) * size
+        least = end if least is None or end < least else least
+    return least or 0

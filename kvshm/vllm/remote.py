@@ -48,6 +48,7 @@ import time
 
 from kvshm.core.errors import StaleHits
 from kvshm.core.events import decode_events
+from kvshm.core.group_logic import cached_tokens
 from kvshm.core.hashing import HASH_SLOT_BYTES
 from kvshm.core.specs import CrossAttentionSpec, FullSpec, MambaSpec, MLASpec, PoolConfig
 from kvshm.core.state import FLAG_CACHED
@@ -335,16 +336,9 @@ class RemoteBackend:
             if request_id not in self._held:
                 return 0
             return self._run([p.EstimateCachedTokens(request_id)]).num_tokens
-        least = None
-        for blocks, bs, cross in zip(held, self._block_sizes, self._cross):
-            if cross:
-                continue
-            end = 0
-            for i, b in enumerate(blocks):
-                if b and self._flags[b] & FLAG_CACHED:
-                    end = (i + 1) * bs
-            least = end if least is None or end < least else least
-        return least or 0
+        flags = self._flags
+        return cached_tokens(held, self._block_sizes, self._cross,
+                             lambda b: flags[b] & FLAG_CACHED)
 
     def cache_blocks(self, request, num_computed_tokens: int) -> None:
         rid = request.request_id
