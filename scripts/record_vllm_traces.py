@@ -28,6 +28,19 @@ first output, as 0.32's scheduler does; traces of 0.14.0 do none of that
 
 Recording 0.14.0's shapes on 0.14.0 itself checks the simulation: kvshm
 replays those traces as it does the stored set.
+
+Shapes of one release only (what 0.32 does that 0.14 has no trace for)
+are listed in a shapes file of their own, entries like an index's (name,
+seed, file, groups, pool and caching fields, optional `meta`) whose trace
+files do not exist yet; tests/data/conformance-0.32.0/shapes-0.32.json
+holds 0.32's:
+
+    .venv-vllm-0.32.0/bin/python scripts/record_vllm_traces.py \
+        tests/data/conformance-0.32.0/traces \
+        --shapes tests/data/conformance-0.32.0/shapes-0.32.json
+
+The traces recorded join OUT_DIR's index.json (an entry of the same name is
+replaced, the others kept).
 """
 
 from __future__ import annotations
@@ -414,8 +427,12 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     index, skipped = [], []
     for shape in shapes:
-        with gzip.open(args.shapes.parent / shape["file"], "rt") as f:
-            meta = json.loads(f.readline()).get("meta", {})
+        source = args.shapes.parent / shape["file"]
+        if source.exists():
+            with gzip.open(source, "rt") as f:
+                meta = json.loads(f.readline()).get("meta", {})
+        else:                       # a shape of this release only: nothing recorded yet
+            meta = shape.get("meta", {})
         try:
             cfg, lines = record(release, shape, meta)
         except UnbuildableShape as e:
@@ -437,10 +454,20 @@ def main(argv: list[str] | None = None) -> int:
                       "ops": dict(sorted(ops.items())), "bytes": path.stat().st_size})
         print(f"{shape['name']}: {len(lines)} ops, {ops['add_request']} requests, "
               f"{fails} failed allocations", file=sys.stderr)
-    (args.out / "index.json").write_text(json.dumps(
-        {"format_version": 2 if release.v32 else 1, "recorded_from": f"vllm {release.version}",
-         "skipped": skipped, "traces": index}, indent=1) + "\n")
+    write_index(args.out / "index.json", release, index, skipped)
     return 0
+
+
+def write_index(path: Path, release: Release, index: list[dict], skipped: list[str]) -> None:
+    """`path` lists the traces recorded now, beside those it listed before
+    under other names."""
+    old = json.loads(path.read_text()) if path.exists() else {"traces": [], "skipped": []}
+    names = {t["name"] for t in index} | set(skipped)
+    traces = [t for t in old["traces"] if t["name"] not in names] + index
+    skipped = [n for n in old["skipped"] if n not in names] + skipped
+    path.write_text(json.dumps(
+        {"format_version": 2 if release.v32 else 1, "recorded_from": f"vllm {release.version}",
+         "skipped": skipped, "traces": traces}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

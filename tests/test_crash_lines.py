@@ -27,7 +27,7 @@ import msgspec
 import pytest
 
 from helpers import make_config, tokens
-from kvshm import FullSpec, SlidingWindowSpec
+from kvshm import FullSpec, MLASpec, SlidingWindowSpec
 from kvshm.core.faults import CRASH_EXIT_CODE
 from kvshm.core.state import UNDO_LEN_WORD
 from kvshm.ops import protocol as p
@@ -47,6 +47,12 @@ CONFIGS = {
                              watermark=0.05),
     "hybrid-0.32": make_config(groups=(FullSpec(4), SlidingWindowSpec(4, 8)), num_blocks=48,
                                max_num_seqs=8, vllm_version="0.32.0", max_in_flight_tokens=8),
+    # Full-attention blocks of two hash blocks (MLA's set the hash block),
+    # with EAGLE: partial prefix entries, alone on a block ("a"'s block 2)
+    # and beside a full one.
+    "partial-0.32": make_config(groups=(FullSpec(8), MLASpec(4), SlidingWindowSpec(8, 16)),
+                                num_blocks=64, max_num_seqs=8, vllm_version="0.32.0",
+                                use_eagle=True, max_in_flight_tokens=8),
 }
 # "lines" (CI): the first event of each distinct line of the script, before
 # and after its frame's first undo entry; "frames": of each such line of
@@ -106,13 +112,16 @@ def _open(cfg, name: str):
 
 def _snapshot(mgr, ex) -> dict:
     """What must survive: each request's rows (ids and cached counts per
-    group) and owner, each session's last applied seq, the cached blocks."""
+    group) and owner, each session's last applied seq, the cached blocks
+    and partial entries."""
     table = mgr.table
     groups = range(len(mgr.config.groups))
     rows = {rid: (table.owner(slot), tuple(table.read_row(slot, g) for g in groups))
             for rid, slot in table.slot_of.items()}
     seqs = {r.session_id: r.last_seq for r in ex.sessions.records()}
-    return {"rows": rows, "seqs": seqs, "cached": set(mgr.block_pool.cached_blocks())}
+    pool = mgr.block_pool
+    cached = set(pool.cached_blocks()) | {("partial", *e) for e in pool.partial_entries()}
+    return {"rows": rows, "seqs": seqs, "cached": cached}
 
 
 def _tracer(stop_at: int | None, lines: list | None, words=None):

@@ -55,31 +55,18 @@ def test_all_event_streams_are_here():
 DATA_032 = Path(__file__).parent / "data" / "conformance-0.32.0"
 
 
-def partial_entries(path: Path) -> bool:
-    """Whether the stream's pool has a full-attention group whose blocks are
-    larger than the hash block (beside another group): vLLM 0.32 then also
-    caches partial blocks (entries that end inside a block, with events of
-    their own), which kvshm does not reproduce (docs/vllm.md, "Known
-    gaps"; the allocations, which the traces check, are the same)."""
-    cfg, _ = load_trace(events_trace(path, DATA_032 / "traces"))
-    return any(g["type"] == "full" and g["block_size"] > cfg["hash_block_size"]
-               for g in cfg["groups"])
-
-
 STREAMS_032 = sorted((DATA_032 / "events").glob("*.events.jsonl.gz"))
-PARTIAL_032 = [s for s in STREAMS_032 if partial_entries(s)]
-WHOLE_032 = [s for s in STREAMS_032 if s not in PARTIAL_032]
 
 
 def test_all_0_32_event_streams_are_here():
-    assert len(STREAMS_032) == 133   # every caching trace of the 0.32 set
-    assert len(PARTIAL_032) == 6 and len(WHOLE_032) == 127
+    assert len(STREAMS_032) == 136   # every caching trace of the 0.32 set
 
 
-@pytest.mark.parametrize("path", WHOLE_032, ids=[p.name.split(".")[0] for p in WHOLE_032])
+@pytest.mark.parametrize("path", STREAMS_032, ids=[p.name.split(".")[0] for p in STREAMS_032])
 def test_a_0_32_pool_s_stream_is_vllm_0_32_s_to_the_integer(path):
     """Maps with every field 0.32 sets (group, spec kind, window, each
-    block's extra keys: LoRA names, salts), hashes of 0.32's tagged keys."""
+    block's extra keys: LoRA names, salts), hashes of 0.32's tagged keys,
+    partial prefix entries' events."""
     got, want = replayed(path, DATA_032, **ORACLE_HASHING)
     assert first_event_difference(got, want) is None
 

@@ -26,6 +26,23 @@ it and count it as in flight.  `mark_ready` clears the mark; a pending
 block whose writer lets go of it is uncached (`drop_pending`), never
 served.  The marks need no undo entries: a ready mark states a fact about
 the arena that outlives any frame, and an uncached block only costs a hit.
+
+Partial entries (vLLM 0.32, `PoolConfig.partial_entry_groups`): a
+full-attention block spanning several hash blocks may also be cached under
+the key of a prefix that ends inside it, the request's prompt boundary
+(`cache_partial`, FLAG_PARTIAL, the segment's `partial_hashes` and
+`partial_tokens`).  A block has at most one: only the request that
+allocated a block takes one for it (a hit is a full block below the
+boundary of the request that hits it).  No lookup asks for a partial key
+(lookups ask for each block's last hash, a partial key is a hash inside a
+block), so a partial entry is seen only by KV events (stored when it is
+made, removed when its block is evicted, after the full entry's removal)
+and by the free order (a block with one counts as hashed).  A block whose
+only entry is partial and that becomes full drops it before it is cached
+(vLLM's promotion: a removed event first).  It counts as neither cached
+(`num_cached_blocks`) nor evicted; a partial-only block carries the cache
+stamp of its entry, so repair drops it with the frame that made it, and a
+full block's partial entry is made in the call that caches the block.
 """
 
 from __future__ import annotations
@@ -38,10 +55,24 @@ from kvshm.core.events import EventLog
 from kvshm.core.hashing import HASH_SLOT_BYTES, digest_size
 from kvshm.core.hash_map import BlockHashMap
 from kvshm.core.state import (ALLOCATED_WORD, EVICTED_WORD, FLAG_CACHED, FLAG_NULL,
-    FLAG_PENDING, FLAG_SINK, FREE_WORD as _FREE, SEQ_WORD as _SEQ, STATS_WORD, SegmentState)
+    FLAG_PARTIAL, FLAG_PENDING, FLAG_SINK, FREE_WORD as _FREE, SEQ_WORD as _SEQ, STATS_WORD,
+    SegmentState)
 
 NULL_BLOCK = 0
 _H = HASH_SLOT_BYTES
+# A block with a prefix-cache entry of either kind (what the free order asks).
+HASHED = FLAG_CACHED | FLAG_PARTIAL
+
+
+def hashed_tokens(flags, partial_tokens, block: int, end: int) -> int:
+    """The prefix length `block`'s entry stands for, the block ending at token
+    `end` of a request that holds it: `end` for a full entry, the partial
+    entry's length for a block with only that, else 0 (vLLM 0.32's
+    `block_hash_num_tokens`).  `flags`, `partial_tokens`: the segment's."""
+    f = flags[block]
+    if f & FLAG_CACHED:
+        return end
+    return partial_tokens[block] if f & FLAG_PARTIAL else 0
 
 
 class BlockPool:
@@ -76,6 +107,8 @@ class BlockPool:
         self._writer = segment.writer
         self._parent = segment.parent
         self._hashes = segment.hashes
+        self._partial_hashes = segment.partial_hashes
+        self._partial_tokens = segment.partial_tokens
         self._words = segment.words
         self._journal = segment.journal
         self.digest_size = digest_size(cfg.hash_algorithm)
@@ -271,10 +304,10 @@ class BlockPool:
                 return
             if self.enable_caching:
                 flags = self._flags
-                front = [b for b in freed if not flags[b] & FLAG_CACHED]
+                front = [b for b in freed if not flags[b] & HASHED]
                 if front:
                     self._prepend_n(front)
-                    freed = [b for b in freed if flags[b] & FLAG_CACHED]
+                    freed = [b for b in freed if flags[b] & HASHED]
                 if freed:
                     self._append_n(freed)
             else:
@@ -331,7 +364,10 @@ class BlockPool:
         `writer` >= 0: its K/V are not written yet, and the request in that
         request-table slot (of the current reader's session) writes them.
         `parent`: the block before it in the caching request's chain (0:
-        none), which `corrupt` follows to the blocks computed from it."""
+        none), which `corrupt` follows to the blocks computed from it.  A
+        block whose only entry is partial drops it first (module doc)."""
+        if self._flags[block] & FLAG_PARTIAL:
+            self._evict(block)
         self._maps[group_id].add(block_hash, block)
         self._parent[block] = parent
         off = block * _H
@@ -354,7 +390,7 @@ class BlockPool:
     def mark_ready(self, block: int) -> None:
         """Block `block`'s K/V are in the arena: every lookup may hit it."""
         if self.pending.pop(block, None) is not None:
-            self._flags[block] = FLAG_CACHED
+            self._flags[block] &= ~FLAG_PENDING
 
     def drop_pending(self, block: int) -> None:
         """Uncache `block` if it is still pending (its writer let go of it
@@ -371,20 +407,75 @@ class BlockPool:
         return bytes(self._hashes[off:off + self.digest_size])
 
     def _evict(self, b: int) -> None:
-        """Drop block `b` from the prefix cache (its flags are known set)."""
-        if not self._flags[b] & FLAG_CACHED:
+        """Drop block `b`'s prefix-cache entries, the full one first."""
+        f = self._flags[b]
+        if not f & HASHED:
             return
-        off = b * _H
-        key = bytes(self._hashes[off:off + self.digest_size])
-        self._maps[self._group[b]].remove(key, b)
-        if self._flags[b] & FLAG_PENDING:
-            self.pending.pop(b, None)
+        g = self._group[b]
+        m = self._maps[g]
+        events = self.events
+        if f & FLAG_CACHED:
+            off = b * _H
+            key = bytes(self._hashes[off:off + self.digest_size])
+            m.remove(key, b)
+            if f & FLAG_PENDING:
+                self.pending.pop(b, None)
+            self.num_cached_blocks -= 1
+            self.uncached += 1
+            self._words[EVICTED_WORD] += 1
+            if events is not None:
+                events.removed(key, g)
+        if f & FLAG_PARTIAL:
+            self._drop_partial(b)
         self._flags[b] = 0
-        self.num_cached_blocks -= 1
-        self.uncached += 1
-        self._words[EVICTED_WORD] += 1
+
+    def _drop_partial(self, b: int) -> None:
+        """Drop block `b`'s partial entry from the index (the caller clears
+        its flag)."""
+        off = b * _H
+        key = bytes(self._partial_hashes[off:off + self.digest_size])
+        g = self._group[b]
+        self._maps[g].remove(key, b)
         if self.events is not None:
-            self.events.removed(key, self._group[b])
+            self.events.removed(key, g)
+
+    def cache_partial(self, block: int, block_hash: bytes, group_id: int,
+                      num_tokens: int) -> bool:
+        """Give `block` (of group `group_id`, not null) the partial entry
+        `block_hash`, the key of the request's first `num_tokens` tokens, a
+        prefix ending inside the block (module doc).  Returns whether the
+        entry is new (the caller records its KV event); one the block has
+        already is kept as it is.  A block never takes a second one (module
+        doc); were it given one, it would replace the first (its removed
+        event first, as vLLM when the first is the block's only entry)."""
+        flags = self._flags
+        f = flags[block]
+        off = block * _H
+        slot = self._partial_hashes
+        if f & FLAG_PARTIAL:
+            if slot[off:off + len(block_hash)] == block_hash:
+                return False
+            self._drop_partial(block)
+            f &= ~FLAG_PARTIAL
+            flags[block] = f
+        slot[off:off + len(block_hash)] = block_hash
+        self._partial_tokens[block] = num_tokens
+        self._maps[group_id].add(block_hash, block)
+        if f & FLAG_CACHED:
+            flags[block] = f | FLAG_PARTIAL
+            return True
+        # The only entry: it takes a cache stamp (repair drops it with its
+        # frame) and the group; the flag last, as in cache_block.
+        self._group[block] = group_id
+        self._parent[block] = 0
+        self._cache_stamp[block] = self._next_cache_stamp
+        self._next_cache_stamp += 1
+        flags[block] = FLAG_PARTIAL
+        return True
+
+    def hashed_tokens(self, block: int, end: int) -> int:
+        """`hashed_tokens` (module level) of this pool."""
+        return hashed_tokens(self._flags, self._partial_tokens, block, end)
 
     def evict_blocks(self, block_ids: Iterable[int]) -> None:
         """Remove each listed block from the prefix cache if it is cached; the
@@ -444,7 +535,7 @@ class BlockPool:
             m.clear()
         self.pending.clear()
         # Every block but the null block is free here (no sink blocks either:
-        # they count as used), so a flag is either 0 or CACHED.
+        # they count as used), so its flags are 0, CACHED or PARTIAL.
         # One copy that keeps the null block's flag: a crash part-way leaves
         # some blocks cached (harmless) but never the null block unmarked.
         flags = self._flags
@@ -458,13 +549,22 @@ class BlockPool:
         return True
 
     def cached_blocks(self) -> list[tuple[int, bytes, int]]:
-        """(block, hash, group) of every cached block, in the order they were
-        cached."""
+        """(block, hash, group) of every cached block (its full entry), in
+        the order they were cached."""
+        return self._entries(FLAG_CACHED, self._hashes)
+
+    def partial_entries(self) -> list[tuple[int, bytes, int]]:
+        """(block, partial key, group) of every partial entry, ordered by
+        the cache stamps of their blocks."""
+        return self._entries(FLAG_PARTIAL, self._partial_hashes) if len(self._partial_hashes) \
+            else []
+
+    def _entries(self, flag: int, hashes) -> list[tuple[int, bytes, int]]:
         flags, stamp, group = self._flags, self._cache_stamp, self._group
-        cached = [b for b in range(self.num_blocks) if flags[b] & FLAG_CACHED]
-        cached.sort(key=lambda b: stamp[b])
+        marked = [b for b in range(self.num_blocks) if flags[b] & flag]
+        marked.sort(key=lambda b: stamp[b])
         ds = self.digest_size
-        return [(b, bytes(self._hashes[b * _H:b * _H + ds]), group[b]) for b in cached]
+        return [(b, bytes(hashes[b * _H:b * _H + ds]), group[b]) for b in marked]
 
     def rebuild(self) -> None:
         """Recreate the hash maps from the segment (cached blocks ordered by
@@ -474,7 +574,7 @@ class BlockPool:
         maps = self._maps
         for m in maps:
             m.clear()
-        for b, key, g in cached:
+        for b, key, g in cached + self.partial_entries():
             maps[g].add(key, b)
 
     def get_usage(self) -> float:

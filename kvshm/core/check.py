@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 from kvshm.core import fmt
 from kvshm.core.hashing import HASH_SLOT_BYTES
-from kvshm.core.state import (FLAG_CACHED, FLAG_NULL, FLAG_PENDING, FLAG_SINK, RID_BYTES,
-    SLOT_META_FIELDS, SegmentState)
+from kvshm.core.state import (FLAG_CACHED, FLAG_NULL, FLAG_PARTIAL, FLAG_PENDING, FLAG_SINK,
+    RID_BYTES, SLOT_META_FIELDS, SegmentState)
 from kvshm.core.table import NO_ENTRY
 
 MAX_PROBLEMS = 50
@@ -26,6 +26,7 @@ class CheckReport:
     num_free_blocks: int = 0
     num_cached_blocks: int = 0
     num_requests: int = 0
+    num_partial_entries: int = 0
     problems: list[str] = field(default_factory=list)
 
     @property
@@ -42,6 +43,8 @@ class CheckReport:
         head = (f"{fmt.count(self.num_blocks)} blocks, {fmt.count(self.num_free_blocks)} "
                 f"free, {fmt.count(self.num_cached_blocks)} cached, "
                 f"{fmt.count(self.num_requests)} requests")
+        if self.num_partial_entries:
+            head += f", {fmt.count(self.num_partial_entries)} partial entries"
         if self.clean:
             return f"clean: {head}"
         return f"BROKEN ({len(self.problems)} problems): {head}\n" + "\n".join(
@@ -53,7 +56,8 @@ class _Snapshot:
     reads of the mutation counter."""
 
     NAMES = ("ref_cnt", "next_delta", "prev_delta", "free_stamp", "cache_stamp",
-             "hash_group", "flags", "writer", "hashes", "slot_meta", "slot_rid", "slot_counts")
+             "hash_group", "flags", "writer", "hashes", "partial_hashes", "partial_tokens",
+             "slot_meta", "slot_rid", "slot_counts")
 
     def __init__(self, seg: SegmentState, timeout: float) -> None:
         # A copy still torn after `timeout` s (a writer died mid-mutation, or
@@ -176,7 +180,7 @@ def check_segment(seg: SegmentState, pool=None, timeout: float = 2.0) -> CheckRe
 
     # -- per block ------------------------------------------------------------------
     num_sink = 0
-    cached = 0
+    cached = partial = 0
     for b in range(n):
         f = flags[b]
         if f & FLAG_NULL:
@@ -191,7 +195,7 @@ def check_segment(seg: SegmentState, pool=None, timeout: float = 2.0) -> CheckRe
             num_sink += 1
             if in_free[b] or counted[b] or ref[b]:
                 rep.add(f"sink block {b} is free, referenced, or held by a request")
-            if f & FLAG_CACHED:
+            if f & (FLAG_CACHED | FLAG_PARTIAL):
                 rep.add(f"sink block {b} is cached")
             continue
         if ref[b] != counted[b]:
@@ -218,7 +222,11 @@ def check_segment(seg: SegmentState, pool=None, timeout: float = 2.0) -> CheckRe
                 rep.add(f"block {b} is cached for group {snap.hash_group[b]} (no such group)")
             if snap.cache_stamp[b] <= 0:
                 rep.add(f"block {b} is cached without a cache stamp")
+        if f & FLAG_PARTIAL:
+            partial += 1
+            _check_partial(b, f, snap, cfg, rep)
     rep.num_cached_blocks = cached
+    rep.num_partial_entries = partial
     if num_sink != cfg.num_sink_blocks:
         rep.add(f"{num_sink} sink blocks, the config reserves {cfg.num_sink_blocks}")
 
@@ -227,28 +235,52 @@ def check_segment(seg: SegmentState, pool=None, timeout: float = 2.0) -> CheckRe
     return rep
 
 
+def _check_partial(b: int, f: int, snap: _Snapshot, cfg, rep: CheckReport) -> None:
+    """A partial entry (kvshm/core/block_pool.py): of a group that takes
+    them, for a prefix a whole number of hash blocks long; alone, with a
+    cache stamp."""
+    g = snap.hash_group[b]
+    if g not in cfg.partial_entry_groups:
+        rep.add(f"block {b} has a partial entry for group {g}, which takes none")
+        return
+    t = snap.partial_tokens[b]
+    if t <= 0 or t % cfg.hash_block_size or not t % cfg.effective_block_size(g):
+        rep.add(f"block {b}: its partial entry covers {t} tokens, not a prefix ending "
+                f"inside a block on a hash block boundary")
+    if not f & FLAG_CACHED and snap.cache_stamp[b] <= 0:
+        rep.add(f"block {b} has a partial entry without a cache stamp")
+
+
 def _check_index(pool, snap: _Snapshot, rep: CheckReport) -> None:
     """The owner's hash -> block index agrees with the segment both ways."""
     dsz = pool.digest_size
     seen = 0
     for g in range(len(pool.segment.config.groups)):
         for key, blocks in pool.hash_to_block(g).entries():
+            partial_key = False
             for b in blocks:
                 seen += 1
                 off = b * HASH_SLOT_BYTES
-                if not snap.flags[b] & FLAG_CACHED:
+                f = snap.flags[b]
+                if (f & FLAG_PARTIAL and bytes(snap.partial_hashes[off:off + dsz]) == key
+                        and snap.hash_group[b] == g):
+                    partial_key = True
+                elif not f & FLAG_CACHED:
                     rep.add(f"index: hash {key.hex()[:12]} (group {g}) maps to block {b}, "
                             "which is not cached (stale entry)")
                 elif bytes(snap.hashes[off:off + dsz]) != key or snap.hash_group[b] != g:
                     rep.add(f"index: hash {key.hex()[:12]} (group {g}) maps to block {b}, "
                             "which is cached under another hash or group")
-            if len(blocks) > 1:
+            # (a partial key's blocks may come in any order: no lookup asks for it)
+            if len(blocks) > 1 and not partial_key:
                 stamps = [snap.cache_stamp[b] for b in blocks]
                 if stamps != sorted(stamps):
                     rep.add(f"index: blocks under hash {key.hex()[:12]} are not in "
                             "caching order")
-    if seen != rep.num_cached_blocks:
-        rep.add(f"index holds {seen} cached blocks, the segment {rep.num_cached_blocks}")
+    entries = rep.num_cached_blocks + rep.num_partial_entries
+    if seen != entries:
+        rep.add(f"index holds {seen} entries, the segment {entries} (cached blocks and "
+                "partial entries)")
     marked = {b for b in range(len(snap.flags)) if snap.flags[b] & FLAG_PENDING}
     if marked != set(pool.pending):
         rep.add(f"readiness index: {len(set(pool.pending) - marked)} blocks pending in the "

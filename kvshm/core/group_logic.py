@@ -12,8 +12,8 @@ import math
 from collections.abc import Sequence
 
 from kvshm.core.block_pool import BlockPool
-from kvshm.core.attention_managers import (CrossAttentionManager, SingleTypeManager,
-                                           SlidingWindowManager)
+from kvshm.core.attention_managers import (CrossAttentionManager, MambaManager,
+                                           SingleTypeManager, SlidingWindowManager)
 from kvshm.core.release_managers import make_manager
 from kvshm.core.request import Request
 from kvshm.core.specs import FULL_ATTENTION_TYPES, PoolConfig, attention_types
@@ -157,12 +157,12 @@ class GroupLogic:
             m.new_step_starts()
 
     def estimate_cached_tokens(self, request_id: str) -> int:
-        """Per prefix-cached group (not cross-attention) the end of the last
-        cached block the request holds, the least over groups; 0 if none."""
-        cached = self.pool.block_hash
+        """Per prefix-cached group (not cross-attention) the longest prefix an
+        entry of a block the request holds stands for, the least over
+        groups; 0 if none."""
         return cached_tokens([m.req_to_blocks.get(request_id, ()) for m in self.managers],
                              [m.block_size for m in self.managers], self.cross,
-                             lambda b: cached(b) is not None)
+                             self.pool.hashed_tokens)
 
     def get_blocks(self, request_id: str) -> BlockIds:
         return tuple(list(m.req_to_blocks.get(request_id) or ()) for m in self.managers)
@@ -301,14 +301,16 @@ class AlignedHybrid(Hybrid):
                     continue
                 hashes = manager.group_hashes(block_hashes)
                 drop = manager.use_eagle and t not in verified
+                # EAGLE: a search that drops matches one block further first
+                # (not Mamba's, which drops nothing)
+                reach = (min(cur + manager.block_size, limit)
+                         if drop and not isinstance(manager, MambaManager) else cur)
                 if isinstance(manager, SlidingWindowManager):
-                    found = manager.find_longest_cache_hit(
-                        hashes, min(cur + manager.block_size, limit) if drop else cur, ids,
-                        lcm, drop)
+                    found = manager.find_longest_cache_hit(hashes, reach, ids, lcm, drop)
                 else:
                     # (full attention is looked up once, dropping as EAGLE
-                    # does; Mamba's search drops nothing; no EAGLE with chunks)
-                    found = manager.find_longest_cache_hit(hashes, cur, ids, lcm)
+                    # does; no EAGLE with chunks)
+                    found = manager.find_longest_cache_hit(hashes, reach, ids, lcm)
                 if drop:
                     verified.add(t)
                 elif len(found[0]) * manager.block_size < cur:
@@ -356,18 +358,22 @@ def any_blocks(blocks: Sequence[Sequence[int]]) -> bool:
 
 
 def cached_tokens(blocks: Sequence[Sequence[int]], block_sizes: Sequence[int],
-                  cross: Sequence[bool], is_cached) -> int:
+                  cross: Sequence[bool], hashed_tokens) -> int:
     """vLLM 0.32's `estimate_cached_tokens` of a request holding `blocks`
-    (per group): per group but cross-attention's, the end of the last block
-    `is_cached(block)` says is cached; the least over groups; 0 if none.
-    (The core asks its pool; an engine's backend the pool's flags.)"""
+    (per group): per group but cross-attention's, the longest prefix an
+    entry of its blocks stands for (`hashed_tokens(block, end of the block
+    in the request)`, kvshm.core.block_pool.hashed_tokens); the least over
+    groups; 0 if none.  (The core asks its pool; an engine's backend the
+    pool's segment.)"""
     least = None
     for group, size, is_cross in zip(blocks, block_sizes, cross):
         if is_cross:
             continue
-        end = 0
+        most = 0
         for i, b in enumerate(group):
-            if b and is_cached(b):
-                end = (i + 1) * size
-        least = end if least is None or end < least else least
+            if b:
+                t = hashed_tokens(b, (i + 1) * size)
+                if t > most:
+                    most = t
+        least = most if least is None or most < least else least
     return least or 0

@@ -18,7 +18,7 @@ from array import array
 from dataclasses import dataclass, field
 
 from kvshm.core.errors import SegmentError
-from kvshm.core.state import (FLAG_CACHED, FLAG_NULL, FLAG_SINK, FRAME,
+from kvshm.core.state import (FLAG_CACHED, FLAG_NULL, FLAG_PARTIAL, FLAG_SINK, FRAME,
     FRAME_CACHE_STAMP_WORD, FREE_WORD, META, META_WORDS, NUM_REQUESTS_WORD, PREFIX,
     PREFIX_HEAD, RID_BYTES, ROW, ROW_WORDS, SEQ_WORD, SESSION, SESSION_ENTRY_WORDS,
     SESSION_LAST_SEQ, SESSION_SLOTS, SESSION_WORDS, SLOT_META_FIELDS, STATS, STATS_WORD,
@@ -167,7 +167,8 @@ def _uncache_since(seg: SegmentState, stamp: int) -> int:
     flags, stamps = seg.flags, seg.cache_stamp
     n = 0
     for b in range(seg.config.num_blocks):
-        if flags[b] & FLAG_CACHED and stamps[b] >= stamp:
+        # (a partial entry carries its block's stamp: block_pool.py)
+        if flags[b] & (FLAG_CACHED | FLAG_PARTIAL) and stamps[b] >= stamp:
             flags[b] = 0
             n += 1
     return n

@@ -17,6 +17,11 @@ on a hybrid pool boundaries align to the lcm of the block sizes
 sliding window's search is told whether EAGLE's extra block is dropped in
 each call (0.32 drops it once per candidate length).
 
+Its full attention (and MLA) in a hybrid pool whose blocks span several
+hash blocks also caches the prefix a prompt ends at inside a block, as a
+partial entry of that block (`PartialEntryFullManager`; the block pool's
+"Partial entries").
+
 Its admission gate (`KVCacheManagerCore.allocate_slots`) asks a windowed
 group for at most its `admission_cap` blocks, whatever the request's
 length: the window (or local chunk) plus the tokens in flight
@@ -27,12 +32,12 @@ freed as the request goes.
 from __future__ import annotations
 
 from kvshm.core.attention_managers import (MANAGER_CLASSES, ChunkedLocalManager,
-                                           MambaManager, SingleTypeManager,
-                                           SlidingWindowManager)
+                                           FullAttentionManager, MambaManager,
+                                           SingleTypeManager, SlidingWindowManager)
 from kvshm.core.block_pool import BlockPool
 from kvshm.core.request import Request
-from kvshm.core.specs import (ChunkedLocalSpec, GroupSpec, MambaSpec, PoolConfig,
-                              SlidingWindowSpec)
+from kvshm.core.specs import (ChunkedLocalSpec, FullSpec, GroupSpec, MambaSpec, MLASpec,
+                              PoolConfig, SlidingWindowSpec)
 from kvshm.core.table import RequestTable
 
 
@@ -141,9 +146,48 @@ class CappedChunkedLocalManager(ChunkedLocalManager):
         self.admission_cap = -(-held // spec.block_size)
 
 
+class PartialEntryFullManager(FullAttentionManager):
+    """vLLM 0.32's full attention and MLA: where the group is one of the
+    pool's `partial_entry_groups`, caching also gives the block a prompt's
+    last hash boundary falls in a partial entry for that prefix, once the
+    tokens cached reach it (the boundary: the prompt less the token a
+    resend recomputes, or the whole prompt with EAGLE, rounded down to the
+    hash block; none where it ends a block)."""
+
+    def __init__(self, spec, group_id, pool, table, config) -> None:
+        super().__init__(spec, group_id, pool, table, config)
+        self.takes_partial_entries = group_id in config.partial_entry_groups
+        self.hash_block_size = config.hash_block_size
+
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+        super().cache_blocks(request, num_tokens)
+        if not self.takes_partial_entries:
+            return
+        hbs, bs = self.hash_block_size, self.block_size
+        limit = request.num_prompt_tokens - (0 if self.use_eagle else 1)
+        boundary = limit // hbs * hbs
+        if boundary == 0 or boundary > num_tokens or boundary % bs == 0:
+            return
+        blocks = self.req_to_blocks.get(request.request_id, ())
+        index = boundary // bs
+        if index >= len(blocks) or not blocks[index]:
+            return
+        n = boundary // hbs
+        hashes = request.block_hashes
+        pool = self.pool
+        if pool.cache_partial(blocks[index], hashes[n - 1], self.group_id, boundary) \
+                and pool.events is not None:
+            tokens = request.all_token_ids
+            pool.events.stored([hashes[n - 1]], hashes[n - 2] if n > 1 else None,
+                               tokens[boundary - hbs:boundary] if tokens is not None else [],
+                               hbs, request, self.group_id, [n - 1])
+
+
 RELEASE_MANAGERS: dict[str, dict[type, type[SingleTypeManager]]] = {
     "0.14.0": MANAGER_CLASSES,
-    "0.32.0": {**MANAGER_CLASSES, SlidingWindowSpec: ReachableSlidingWindowManager,
+    "0.32.0": {**MANAGER_CLASSES, FullSpec: PartialEntryFullManager,
+               MLASpec: PartialEntryFullManager,
+               SlidingWindowSpec: ReachableSlidingWindowManager,
                ChunkedLocalSpec: CappedChunkedLocalManager, MambaSpec: StepMambaManager},
 }
 

@@ -53,6 +53,13 @@ class Semantics:
         the block's rows)`), each multimodal item named by exactly the
         blocks it overlaps (kvshm/core/extra_keys.py).  0.14's are untagged,
         with its walk's quirks.
+    partial_entries: a full-attention (or MLA) group whose blocks span
+        several hash blocks, in a hybrid pool, also caches the prefix a
+        request's prompt ends at inside a block, as a *partial entry* of
+        that block (`PoolConfig.partial_entry_groups`,
+        `PartialEntryFullManager` in core/release_managers.py, the block
+        pool's "Partial entries"): no lookup takes it, but it has KV events
+        of its own and makes a freed block count as hashed.
     group_types: the KV-cache group types (`type` of a group spec) a pool
         of the release may have: those whose managers kvshm reproduces op
         for op for it, per its recorded conformance set
@@ -68,6 +75,7 @@ class Semantics:
     common_prefix_blocks: bool
     event_maps: bool
     tagged_extra_keys: bool
+    partial_entries: bool
     group_types: frozenset[str]
     missing_types: dict[str, str]
 
@@ -78,12 +86,14 @@ RELEASES: dict[str, Semantics] = {
     "0.14.0": Semantics("0.14.0", lifo_unhashed_free=False, admission_gate=False,
                         allocates_without_new_tokens=False, stats_at_admission=False,
                         common_prefix_blocks=True, event_maps=False,
-                        tagged_extra_keys=False, group_types=ALL_TYPES,
+                        tagged_extra_keys=False, partial_entries=False,
+                        group_types=ALL_TYPES,
                         missing_types={}),
     "0.32.0": Semantics(
         "0.32.0", lifo_unhashed_free=True, admission_gate=True,
         allocates_without_new_tokens=True, stats_at_admission=True,
         common_prefix_blocks=False, event_maps=True, tagged_extra_keys=True,
+        partial_entries=True,
         group_types=frozenset(("full", "mla", "chunked_local", "cross_attention",
                                "sliding_window", "mamba")),
         missing_types={

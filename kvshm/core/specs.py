@@ -168,6 +168,18 @@ class PoolConfig(msgspec.Struct, frozen=True, kw_only=True):
         return self.groups[group].block_size * self.dcp_world_size
 
     @property
+    def partial_entry_groups(self) -> tuple[int, ...]:
+        """The groups whose blocks take partial prefix entries
+        (`Semantics.partial_entries`): with caching on, in a hybrid pool,
+        full-attention and MLA groups whose block spans several hash blocks."""
+        if not (self.semantics.partial_entries and self.enable_caching
+                and len(self.groups) > 1):
+            return ()
+        return tuple(i for i, g in enumerate(self.groups)
+                     if isinstance(g, (FullSpec, MLASpec))
+                     and g.block_size > self.hash_block_size)
+
+    @property
     def num_sink_blocks(self) -> int:
         return sum(
             g.sink_len // (g.block_size * self.dcp_world_size)

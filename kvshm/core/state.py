@@ -29,6 +29,15 @@ FLAG_SINK = 4
 # of its row for as long as b is pending, so the entry needs no undo: a
 # frame a crash cut off wrote it only for blocks repair uncaches.
 FLAG_PENDING = 8
+# The block also carries a partial prefix entry (vLLM 0.32, a pool with
+# `PoolConfig.partial_entry_groups`): a key for a prefix that ends inside
+# the block, in the segment's `partial_hashes`, with its length in tokens in
+# `partial_tokens`.  With FLAG_CACHED beside it the block has a full entry
+# too; alone, the partial entry is the block's only one (it still counts as
+# hashed where the free order asks, and carries the block's cache stamp).
+# A lookup never takes a partial entry: only KV events and the free order
+# see it (block_pool.py, "Partial entries").
+FLAG_PARTIAL = 16
 
 # -- a request slot: its metadata words and its request id's bytes ---------------------
 RID_BYTES = 64
@@ -99,7 +108,8 @@ class SegmentState(Protocol):
     """The segment the core is given (kvshm.pool.segment.PoolSegment maps
     one): the pool's config, its arrays as typed memoryviews (`ref_cnt`,
     `next_delta`, `prev_delta`, `free_stamp`, `cache_stamp`, `hash_group`,
-    `flags`, `writer`, `parent`, `hashes`, `slot_meta`, `slot_rid`, `slot_counts`, `tables`,
+    `flags`, `writer`, `parent`, `hashes`, `partial_hashes`, `partial_tokens` (empty
+    unless the config has partial entries), `slot_meta`, `slot_rid`, `slot_counts`, `tables`,
     `undo`, `sessions`, `replies`, `metrics`), the fixed header as 8-byte
     `words`, header fields by name, the mutation bracket, and the
     `journal` (a core.journal.Journal) that writes its undo log."""

@@ -16,7 +16,7 @@ Layout (every array 64-byte aligned, native byte order):
     cache_stamp       int64[num_blocks]   order in which blocks were cached
     hash_group        uint16[num_blocks]  group the cached hash belongs to
     flags             uint8[num_blocks]   FLAG_NULL | FLAG_CACHED | FLAG_SINK
-                                          | FLAG_PENDING
+                                          | FLAG_PENDING | FLAG_PARTIAL
     writer            int32[num_blocks]   the request slot whose request cached
                                           a pending block (read only with
                                           FLAG_PENDING)
@@ -24,6 +24,10 @@ Layout (every array 64-byte aligned, native byte order):
                                           chain of the request that cached it
                                           (0: none; for healing descendants)
     hashes            uint8[num_blocks * 32] cached block hash (zero padded)
+    partial_hashes    uint8[num_blocks * 32] a block's partial prefix entry
+                                          (FLAG_PARTIAL; empty unless the
+                                          config has partial_entry_groups)
+    partial_tokens    int32[num_blocks]   the tokens its prefix ends at (idem)
     slot_meta         int32[max_num_seqs * 4]  rid length, owner, in use, -
     slot_rid          uint8[max_num_seqs * 64] request id (utf-8)
     slot_counts       int32[max_num_seqs * groups * 2]  per group: number of
@@ -60,7 +64,7 @@ MAGIC = b"KVSHMPL\0"
 # (magic, layout version, header size, config fingerprint, num_blocks,
 # creator pid at the same offsets), so `segment_info` reads both kinds.
 ARENA_MAGIC = b"KVSHMKV\0"
-LAYOUT_VERSION = 8
+LAYOUT_VERSION = 9
 # The pool header's fixed fields: name -> (offset, struct format).  The KV
 # arena writes the leading ones (up to coordinator_pid) at the same offsets.
 # The words the allocator keeps (the mutation counter, the counters, the
@@ -104,6 +108,7 @@ class Layout:
         n = config.num_blocks
         slots = config.max_num_seqs
         ngroups = len(config.groups)
+        partial = n if config.partial_entry_groups else 0
         self.config_json = config.to_json()
         self.header_size = align(HEADER_FIXED + len(self.config_json))
         self.widths = [config.row_capacity(g) for g in range(ngroups)]
@@ -118,6 +123,8 @@ class Layout:
             ("writer", 4 * n),
             ("parent", 4 * n),
             ("hashes", HASH_SLOT_BYTES * n),
+            ("partial_hashes", HASH_SLOT_BYTES * partial),
+            ("partial_tokens", 4 * partial),
             ("slot_meta", 4 * SLOT_META_FIELDS * slots),
             ("slot_rid", RID_BYTES * slots),
             ("slot_counts", 4 * 2 * ngroups * slots),
@@ -135,7 +142,8 @@ class Layout:
         self.size = off
         self.block_bytes = sum(self.offsets[k][1] for k in (
             "ref_cnt", "next_delta", "prev_delta", "free_stamp", "cache_stamp",
-            "hash_group", "flags", "writer", "parent", "hashes"))
+            "hash_group", "flags", "writer", "parent", "hashes", "partial_hashes",
+            "partial_tokens"))
         self.recovery_bytes = sum(self.offsets[k][1] for k in ("undo", "sessions", "replies"))
         self.metrics_bytes = self.offsets["metrics"][1]
         self.table_bytes = (self.size - self.header_size - self.block_bytes
@@ -144,6 +152,6 @@ class Layout:
 
 FORMATS = {"ref_cnt": "i", "next_delta": "i", "prev_delta": "i", "free_stamp": "q",
             "cache_stamp": "q", "hash_group": "H", "flags": "B", "writer": "i", "parent": "i",
-            "hashes": "B",
+            "hashes": "B", "partial_hashes": "B", "partial_tokens": "i",
             "slot_meta": "i", "slot_rid": "B", "slot_counts": "i", "undo": "q",
             "sessions": "q", "replies": "B", "metrics": "q"}

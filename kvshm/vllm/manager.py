@@ -205,13 +205,15 @@ class PoolKVCacheManager032(PoolKVCacheManager):
                            "mixed precision)")
         sizes = [g.kv_cache_spec.block_size for g in kv_cache_config.kv_cache_groups]
         if scheduler_block_size != hash_block_size or any(s != hash_block_size for s in sizes):
+            # (the pool reproduces their semantics, partial entries
+            # included; no engine of that shape has run on one)
             refused.append(f"KV-cache groups of other block sizes than the hash block "
                            f"(scheduler {scheduler_block_size}, hash {hash_block_size}, "
-                           f"groups {sizes})")
+                           f"groups {sizes}: untried with an engine)")
         if refused:
-            raise ConfigError("KVSHM_POOL", "kvshm pools do not reproduce vLLM 0.32's "
-                              + "; ".join(refused) + ": unset KVSHM_POOL to run this engine "
-                              "on vLLM's own KV-cache manager")
+            raise ConfigError("KVSHM_POOL", "kvshm's plugin does not run vLLM 0.32 engines "
+                              "with " + "; ".join(refused) + ": unset KVSHM_POOL to run this "
+                              "engine on vLLM's own KV-cache manager")
         self._open(kv_cache_config, max_model_len, hash_block_size, enable_caching, use_eagle,
                    log_stats, enable_kv_cache_events, dcp_world_size, pcp_world_size,
                    metrics_collector,

@@ -46,6 +46,7 @@ from __future__ import annotations
 import logging
 import time
 
+from kvshm.core.block_pool import hashed_tokens
 from kvshm.core.errors import StaleHits
 from kvshm.core.events import decode_events
 from kvshm.core.group_logic import cached_tokens
@@ -336,9 +337,9 @@ class RemoteBackend:
             if request_id not in self._held:
                 return 0
             return self._run([p.EstimateCachedTokens(request_id)]).num_tokens
-        flags = self._flags
+        flags, partial = self._flags, self.segment.partial_tokens
         return cached_tokens(held, self._block_sizes, self._cross,
-                             lambda b: flags[b] & FLAG_CACHED)
+                             lambda b, end: hashed_tokens(flags, partial, b, end))
 
     def cache_blocks(self, request, num_computed_tokens: int) -> None:
         rid = request.request_id
