@@ -137,6 +137,14 @@ def test_eagle_is_not_supported_with_chunked_local_attention():
     assert field_of(dict(groups=(ChunkedLocalSpec(4, 8),), use_eagle=True)) == "use_eagle"
 
 
+def test_eagle_windows_smaller_than_the_lcm_only_on_0_32_pools():
+    """0.14's manager asserts that EAGLE and a hit aligned to more than the
+    window's block do not go together; 0.32 runs them (its traces replay)."""
+    groups = (FullSpec(8), SlidingWindowSpec(4, 16))
+    assert field_of(dict(groups=groups, use_eagle=True)) == "groups[1].block_size"
+    config(groups=groups, use_eagle=True, vllm_version="0.32.0")
+
+
 def test_hybrid_chunked_local_block_size_must_be_the_lcm():
     assert field_of(dict(groups=(FullSpec(8), ChunkedLocalSpec(4, 16)))) == "groups[1].block_size"
     config(groups=(FullSpec(4), ChunkedLocalSpec(8, 16)))

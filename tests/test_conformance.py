@@ -36,7 +36,7 @@ ALL_032 = list(expand_paths([TRACES_032]))
 
 def test_the_0_32_set_is_here():
     # 0.14's shapes but sink (0.32 cannot build it), and 0.32's own (shapes-0.32.json)
-    assert len(ALL_032) == 163
+    assert len(ALL_032) == 166
     assert {g["type"] for p in ALL_032 for g in load_trace(p)[0]["groups"]} == {
         "full", "mla", "chunked_local", "cross_attention", "sliding_window", "mamba"}
 

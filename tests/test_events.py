@@ -59,7 +59,7 @@ STREAMS_032 = sorted((DATA_032 / "events").glob("*.events.jsonl.gz"))
 
 
 def test_all_0_32_event_streams_are_here():
-    assert len(STREAMS_032) == 136   # every caching trace of the 0.32 set
+    assert len(STREAMS_032) == 139   # every caching trace of the 0.32 set
 
 
 @pytest.mark.parametrize("path", STREAMS_032, ids=[p.name.split(".")[0] for p in STREAMS_032])

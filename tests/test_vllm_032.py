@@ -52,15 +52,15 @@ def test_the_stored_set_is_what_vllm_0_32_s_own_manager_answers(tmp_path):
     from kvshm.replay import load_events
     index = json.loads((SET / "index.json").read_text())
     assert index["recorded_from"] == "vllm 0.32.0" and index["format_version"] == 2
-    assert len(index["traces"]) == 163 and len(index["skipped"]) == 6   # 0.32 cannot build sink
+    assert len(index["traces"]) == 166 and len(index["skipped"]) == 6   # 0.32 cannot build sink
     proc = subprocess.run([str(VLLM_PYTHON), str(REPO / "scripts" / "vllm_oracle.py"),
                            "--events", str(tmp_path), str(SET)],
                           capture_output=True, text=True, env=env(), timeout=TIMEOUT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert proc.stdout.strip().splitlines()[-1] == "vLLM 0.32.0: passed 163/163"
+    assert proc.stdout.strip().splitlines()[-1] == "vLLM 0.32.0: passed 166/166"
     stored = sorted(p.name for p in EVENTS.glob("*.events.jsonl.gz"))
     assert sorted(p.name for p in tmp_path.glob("*.events.jsonl.gz")) == stored
-    assert len(stored) == 136
+    assert len(stored) == 139
     for name in stored:
         assert load_events(tmp_path / name) == load_events(EVENTS / name), name
 

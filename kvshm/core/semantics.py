@@ -60,6 +60,10 @@ class Semantics:
         `PartialEntryFullManager` in core/release_managers.py, the block
         pool's "Partial entries"): no lookup takes it, but it has KV events
         of its own and makes a freed block count as hashed.
+    eagle_windows_of_any_block_size: with EAGLE, a hybrid pool's sliding
+        window may have blocks smaller than the lcm of the block sizes
+        (`PoolConfig` refuses them on 0.14, whose manager asserts that an
+        aligned hit and EAGLE do not go together).
     group_types: the KV-cache group types (`type` of a group spec) a pool
         of the release may have: those whose managers kvshm reproduces op
         for op for it, per its recorded conformance set
@@ -76,6 +80,7 @@ class Semantics:
     event_maps: bool
     tagged_extra_keys: bool
     partial_entries: bool
+    eagle_windows_of_any_block_size: bool
     group_types: frozenset[str]
     missing_types: dict[str, str]
 
@@ -87,13 +92,13 @@ RELEASES: dict[str, Semantics] = {
                         allocates_without_new_tokens=False, stats_at_admission=False,
                         common_prefix_blocks=True, event_maps=False,
                         tagged_extra_keys=False, partial_entries=False,
-                        group_types=ALL_TYPES,
+                        eagle_windows_of_any_block_size=False, group_types=ALL_TYPES,
                         missing_types={}),
     "0.32.0": Semantics(
         "0.32.0", lifo_unhashed_free=True, admission_gate=True,
         allocates_without_new_tokens=True, stats_at_admission=True,
         common_prefix_blocks=False, event_maps=True, tagged_extra_keys=True,
-        partial_entries=True,
+        partial_entries=True, eagle_windows_of_any_block_size=True,
         group_types=frozenset(("full", "mla", "chunked_local", "cross_attention",
                                "sliding_window", "mamba")),
         missing_types={

@@ -411,6 +411,7 @@ class PoolConfig(msgspec.Struct, frozen=True, kw_only=True):
                 self.use_eagle
                 and isinstance(spec, SlidingWindowSpec)
                 and spec.block_size != lcm
+                and not self.semantics.eagle_windows_of_any_block_size
             ):
                 raise ConfigError(
                     f"groups[{ids[0]}].block_size",
