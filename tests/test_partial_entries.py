@@ -16,7 +16,7 @@ import pytest
 
 from kvshm import KVCacheManager, Request
 from kvshm.core.check import check_segment
-from kvshm.core.events import EventLog, external_hash
+from kvshm.core.events import external_hash
 from kvshm.core.specs import FullSpec, MLASpec, SlidingWindowSpec
 from kvshm.core.state import FLAG_CACHED, FLAG_PARTIAL
 from kvshm.pool.lifecycle import adopt_pool, create_pool
@@ -180,11 +180,17 @@ def test_an_adopted_pool_keeps_its_partial_entries(pool_name):
         mgr = second.mgr
         assert mgr.block_pool.partial_entries() == entries
         assert_clean(mgr)
-        mgr.block_pool.events = EventLog(2, maps=[("full_attention", None),
-                                                  ("sliding_window", 16)])
+        # Publishing, it restates the cache: the partial entry after its
+        # block's full one, in the hash block's size.
+        mgr.enable_events()
+        restated = mgr.take_events()
+        assert type(restated[0]).__name__.endswith("AllBlocksCleared")
+        full, partial = external_hash(a.block_hashes[3]), external_hash(a.block_hashes[2])
+        group0 = [(e.block_hashes[0], e.block_size) for e in restated[1:] if e.group_idx == 0]
+        assert group0.index((partial, 4)) == group0.index((full, 8)) + 1
         big = Request("big", tokens(500, 560), mgr.make_hasher())
         assert mgr.allocate_slots(big, 60) is not None
-        assert external_hash(a.block_hashes[2]) in removed(mgr.block_pool.events.take())
+        assert partial in removed(mgr.take_events())
         assert not mgr.block_pool.partial_entries()
         assert_clean(mgr)
     finally:

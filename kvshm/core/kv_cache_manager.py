@@ -118,7 +118,8 @@ class KVCacheManagerCore:
     def enable_events(self) -> None:
         """Record KV-cache events from now on.  A pool that already caches
         blocks (one adopted from a dead coordinator) first records
-        AllBlocksCleared and a BlockStored per cached block, oldest first:
+        AllBlocksCleared and a BlockStored per cached block (and partial
+        entry), oldest first:
         a subscriber that followed the previous coordinator's stream (whose
         last events may have died with it) is then in step again.  The
         segment keeps no tokens, parents or LoRA names: those events carry
@@ -129,13 +130,20 @@ class KVCacheManagerCore:
         maps = ([(SPEC_KINDS[g.__struct_config__.tag], getattr(g, "sliding_window", None))
                  for g in groups]
                 if self.semantics.event_maps else None)
-        log = self.events = self.block_pool.events = EventLog(len(groups), maps)
-        cached = self.block_pool.cached_blocks()
-        if cached:
+        pool = self.block_pool
+        log = self.events = pool.events = EventLog(len(groups), maps)
+        # (a 0.32 pool's partial entries too, each in its block's place, after
+        # the block's full entry; their size is the hash block's)
+        full, partial = pool.cached_blocks(), pool.partial_entries()
+        if full or partial:
             log.cleared()
             sizes = [m.block_size for m in self.groups.managers]
-            for _, digest, group in cached:
-                log.stored([digest], None, [], sizes[group], None, group)   # no LoRA known
+            stamp = self.segment.cache_stamp
+            entries = sorted([(b, d, g, sizes[g]) for b, d, g in full]
+                             + [(b, d, g, self.config.hash_block_size) for b, d, g in partial],
+                             key=lambda e: stamp[e[0]])
+            for _, digest, group, size in entries:
+                log.stored([digest], None, [], size, None, group)   # no LoRA known
 
     # -- construction helpers --------------------------------------------------
     def make_hasher(self) -> BlockHasher | None:
