@@ -6,9 +6,9 @@ see it, and it outlives adoption.  The recorded 0.32 traces and event
 streams check the same against vLLM on whole workloads
 (tests/test_conformance.py, tests/test_events.py); these tests pin each
 rule on a tiny pool: 4-token hash blocks, full attention in 8-token blocks
-beside a 16-token sliding window in 4-token blocks (with EAGLE, whose window
-blocks must be the lcm's, an 8-token window block and MLA in 4-token
-blocks)."""
+beside a 16-token sliding window in 4-token blocks (with EAGLE, the shape
+of the 0.32 set's `eagle-hyb-mla16-full32-sw32` traces: MLA in 4-token
+blocks, an 8-token window block)."""
 
 from __future__ import annotations
 
