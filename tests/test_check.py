@@ -237,13 +237,15 @@ def test_stale_index_entry_for_an_uncached_block(m):
     pool = m.block_pool
     pool.hash_to_block(0).add(b"\x42" * pool.digest_size, 9)  # block 9 is free and not cached
     assert_reports(m, "maps to block 9, which is not cached (stale entry)",
-                   "index holds 6 entries, the segment 5 (cached blocks and partial entries)", only=True)
+                   "index holds 6 entries, the segment 5 (cached blocks and partial entries)",
+                   only=True)
 
 
 def test_cached_flag_cleared_under_the_index(m):
     m.segment.flags[6] &= ~FLAG_CACHED
     assert_reports(m, "maps to block 6, which is not cached (stale entry)",
-                   "index holds 5 entries, the segment 4 (cached blocks and partial entries)", only=True)
+                   "index holds 5 entries, the segment 4 (cached blocks and partial entries)",
+                   only=True)
 
 
 def test_stale_index_not_checked_without_the_pool(m):
@@ -255,7 +257,8 @@ def test_cached_block_missing_from_the_index(m):
     pool = m.block_pool
     key = pool.block_hash(7)
     pool.hash_to_block(0).remove(key, 7)
-    assert_reports(m, "index holds 4 entries, the segment 5 (cached blocks and partial entries)", only=True)
+    assert_reports(m, "index holds 4 entries, the segment 5 (cached blocks and partial entries)",
+                   only=True)
 
 
 def test_cached_hash_bytes_corrupted(m):
