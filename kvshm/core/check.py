@@ -181,6 +181,7 @@ def check_segment(seg: SegmentState, pool=None, timeout: float = 2.0) -> CheckRe
     # -- per block ------------------------------------------------------------------
     num_sink = 0
     cached = partial = 0
+    partial_groups = cfg.partial_entry_groups
     for b in range(n):
         f = flags[b]
         if f & FLAG_NULL:
@@ -224,7 +225,7 @@ def check_segment(seg: SegmentState, pool=None, timeout: float = 2.0) -> CheckRe
                 rep.add(f"block {b} is cached without a cache stamp")
         if f & FLAG_PARTIAL:
             partial += 1
-            _check_partial(b, f, snap, cfg, rep)
+            _check_partial(b, f, snap, cfg, partial_groups, rep)
     rep.num_cached_blocks = cached
     rep.num_partial_entries = partial
     if num_sink != cfg.num_sink_blocks:
@@ -235,12 +236,13 @@ def check_segment(seg: SegmentState, pool=None, timeout: float = 2.0) -> CheckRe
     return rep
 
 
-def _check_partial(b: int, f: int, snap: _Snapshot, cfg, rep: CheckReport) -> None:
+def _check_partial(b: int, f: int, snap: _Snapshot, cfg, partial_groups: tuple[int, ...],
+                   rep: CheckReport) -> None:
     """A partial entry (kvshm/core/block_pool.py): of a group that takes
-    them, for a prefix a whole number of hash blocks long; alone, with a
-    cache stamp."""
+    them (`partial_groups`), for a prefix a whole number of hash blocks
+    long; alone, with a cache stamp."""
     g = snap.hash_group[b]
-    if g not in cfg.partial_entry_groups:
+    if g not in partial_groups:
         rep.add(f"block {b} has a partial entry for group {g}, which takes none")
         return
     t = snap.partial_tokens[b]

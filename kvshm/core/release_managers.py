@@ -36,8 +36,8 @@ from kvshm.core.attention_managers import (MANAGER_CLASSES, ChunkedLocalManager,
                                            SingleTypeManager, SlidingWindowManager)
 from kvshm.core.block_pool import BlockPool
 from kvshm.core.request import Request
-from kvshm.core.specs import (ChunkedLocalSpec, FullSpec, GroupSpec, MambaSpec, MLASpec,
-                              PoolConfig, SlidingWindowSpec)
+from kvshm.core.specs import (ChunkedLocalSpec, GroupSpec, MambaSpec, PoolConfig,
+                              SlidingWindowSpec)
 from kvshm.core.table import RequestTable
 
 
@@ -147,22 +147,20 @@ class CappedChunkedLocalManager(ChunkedLocalManager):
 
 
 class PartialEntryFullManager(FullAttentionManager):
-    """vLLM 0.32's full attention and MLA: where the group is one of the
-    pool's `partial_entry_groups`, caching also gives the block a prompt's
-    last hash boundary falls in a partial entry for that prefix, once the
-    tokens cached reach it (the boundary: the prompt less the token a
-    resend recomputes, or the whole prompt with EAGLE, rounded down to the
-    hash block; none where it ends a block)."""
+    """vLLM 0.32's full attention and MLA in the pool's
+    `partial_entry_groups` (`make_manager` gives it to those groups only):
+    caching also gives the block a prompt's last hash boundary falls in a
+    partial entry for that prefix, once the tokens cached reach it (the
+    boundary: the prompt less the token a resend recomputes, or the whole
+    prompt with EAGLE, rounded down to the hash block; none where it ends a
+    block)."""
 
     def __init__(self, spec, group_id, pool, table, config) -> None:
         super().__init__(spec, group_id, pool, table, config)
-        self.takes_partial_entries = group_id in config.partial_entry_groups
         self.hash_block_size = config.hash_block_size
 
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
         super().cache_blocks(request, num_tokens)
-        if not self.takes_partial_entries:
-            return
         hbs, bs = self.hash_block_size, self.block_size
         limit = request.num_prompt_tokens - (0 if self.use_eagle else 1)
         boundary = limit // hbs * hbs
@@ -185,15 +183,18 @@ class PartialEntryFullManager(FullAttentionManager):
 
 RELEASE_MANAGERS: dict[str, dict[type, type[SingleTypeManager]]] = {
     "0.14.0": MANAGER_CLASSES,
-    "0.32.0": {**MANAGER_CLASSES, FullSpec: PartialEntryFullManager,
-               MLASpec: PartialEntryFullManager,
-               SlidingWindowSpec: ReachableSlidingWindowManager,
+    "0.32.0": {**MANAGER_CLASSES, SlidingWindowSpec: ReachableSlidingWindowManager,
                ChunkedLocalSpec: CappedChunkedLocalManager, MambaSpec: StepMambaManager},
 }
 
 
 def make_manager(spec: GroupSpec, group_id: int, pool: BlockPool,
                  table: RequestTable, config: PoolConfig) -> SingleTypeManager:
-    """The manager of group `group_id` under the pool's release."""
-    cls = RELEASE_MANAGERS[config.vllm_version][type(spec)]
+    """The manager of group `group_id` under the pool's release (a group
+    that takes partial entries, only a 0.32 pool's: `PartialEntryFullManager`,
+    so that no other group pays for them)."""
+    if group_id in config.partial_entry_groups:
+        cls = PartialEntryFullManager
+    else:
+        cls = RELEASE_MANAGERS[config.vllm_version][type(spec)]
     return cls(spec, group_id, pool, table, config)
