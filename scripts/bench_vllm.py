@@ -3,7 +3,7 @@
 workload: one shared kvshm pool against each engine's own prefix cache.
 
     .venv-vllm/bin/python scripts/bench_vllm.py [--workload chat|rag|unique]
-        [--sequential] [--engines 2] [--model small] [--out bench-results]
+        [--sequential | --rate R] [--engines 2] [--model small] [--out bench-results]
     .venv-vllm-0.32.0/bin/python scripts/bench_vllm.py ...     # on vLLM 0.32.0
 
 It runs on the vLLM of the environment it is started in (0.14.0 or 0.32.0:
@@ -26,6 +26,14 @@ Workloads, routed round robin:
 `--sequential` serves one request at a time per engine (every request its
 own `generate()` call): the plugin's cost per scheduler step and per
 request, with no batching to hide it.
+
+`--rate R` serves the same requests open loop instead of in waves: a
+seeded Poisson stream of R requests a second over all engines, in the
+waves' order (chat: turn by turn), each added to its engine at its time
+whatever the engine is doing, so a time to first token is what a client of
+a server at that load would see (in a burst it is mostly the wait behind
+the requests admitted before it).  Generated tokens per second then follow
+the rate as long as the engines keep up; compare TTFT and CPU time.
 
 Runs, in this order, on the same streams: `isolated` (KVSHM_POOL unset;
 vLLM's own manager; each engine's pool has 1/N of the shared pool's blocks)
@@ -67,31 +75,51 @@ from kvshm.service.process import CoordinatorProcess
 from kvshm.vllm.engine import workload_json
 from kvshm.vllm.model import write_tiny_model
 from kvshm.workers.topology import format_cpulist, plan
-from kvshm.workload.items import RagSpec, conversations as chat, rag
+from kvshm.workload.items import RagSpec, conversations as chat, poisson_arrivals, rag
 
 BLOCK = 32
 WORKLOADS = ("chat", "rag", "unique")
 
 
 def streams(engines: int, conversations: int, turns: int, system_prompts: int,
-            system_len: int, seed: int, vocab: int) -> list[dict]:
+            system_len: int, seed: int, vocab: int, rate: float = 0.0) -> list[dict]:
     """One workload per engine: multi-turn conversations over a few shared
     system prompts (kvshm.workload.items.conversations), turn k of
     conversation c served by engine (c + k) % N (round-robin routing: a
     conversation's next turn usually lands on another engine), turn k of
-    every conversation in wave k; 16 tokens generated per turn."""
+    every conversation in wave k; 16 tokens generated per turn.  With a
+    `rate`, the waves in order arrive open loop instead (`arrive`)."""
     waves = [[[] for _ in range(turns)] for _ in range(engines)]
+    order = []
     for n, it in enumerate(chat(conversations, turns, system_prompts, system_len,
                                 seed=seed, vocab=vocab)):
-        waves[(n // turns + it.turn) % engines][it.turn].append(it)
+        engine = (n // turns + it.turn) % engines
+        waves[engine][it.turn].append(it)
+        order.append((it.turn, n // turns, engine, it))
+    if rate:
+        return arrive([(e, it) for _, _, e, it in sorted(order, key=lambda o: o[:2])],
+                      engines, rate, seed)
     return [workload_json(w, max_tokens=16) for w in waves]
 
 
-def rag_streams(engines: int, shared: bool, seed: int, vocab: int) -> list[dict]:
+def rag_streams(engines: int, shared: bool, seed: int, vocab: int,
+                rate: float = 0.0) -> list[dict]:
     """One workload per engine: RAG requests (kvshm.workload.items.rag),
-    request i served by engine i % N, all in one wave (a burst)."""
+    request i served by engine i % N, all in one wave (a burst), or with a
+    `rate` arriving open loop in that order (`arrive`)."""
     items = list(rag(RagSpec(seed=seed, vocab=vocab, shared=shared)))
+    if rate:
+        return arrive([(i % engines, it) for i, it in enumerate(items)], engines, rate, seed)
     return [workload_json([items[e::engines]]) for e in range(engines)]
+
+
+def arrive(routed: list, engines: int, rate: float, seed: int) -> list[dict]:
+    """Open-loop streams: `routed` [(engine, item)] in arrival order, the
+    arrivals a Poisson stream of `rate` requests a second over all engines
+    (seeded, so both modes see the same times); 16 tokens generated each."""
+    at = dict(zip((it.rid for _, it in routed), poisson_arrivals(len(routed), rate, seed)))
+    return [workload_json([[it for e, it in routed if e == engine]], max_tokens=16,
+                          arrivals=at) for engine in range(engines)]
 
 
 def one_at_a_time(work: list[dict]) -> list[dict]:
@@ -199,7 +227,8 @@ def plot(result: dict, path: Path) -> bool:
         ax.step(ttft, [(i + 1) / len(ttft) for i in range(len(ttft))], where="post",
                 color=colour, label=f"{mode}: p50 {r['ttft_p50_ms']:.0f} ms, "
                 f"{r['tokens_per_s']:.0f} tokens/s, hit rate {100 * r['hit_rate']:.0f}%")
-    how = "one request at a time per engine" if result["sequential"] else "round robin"
+    how = ("one request at a time per engine" if result["sequential"] else
+           f"round robin, {result['rate']:g}/s open loop" if result["rate"] else "round robin")
     ax.set(title=f"{result['workload']}: {result['engines']} vLLM engines, {result['model']} "
            f"model ({result['dtype']}), {result['requests']} requests, {how}",
            xlabel="time to first token (ms)", ylabel="fraction of requests")
@@ -226,6 +255,9 @@ def main(argv=None) -> int:
     ap.add_argument("--workload", choices=WORKLOADS, default="chat")
     ap.add_argument("--sequential", action="store_true",
                     help="one request at a time per engine (each its own generate() call)")
+    ap.add_argument("--rate", type=float, default=0.0,
+                    help="requests a second over all engines, arriving open loop (a seeded "
+                    "Poisson stream, the same in both modes); 0 (the default): in waves")
     ap.add_argument("--engines", type=int, default=2)
     ap.add_argument("--model", choices=("tiny", "small"), default="small",
                     help="the Llama to write (config and seeded weights)")
@@ -244,6 +276,10 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--out", default=str(RESULTS))
     args = ap.parse_args(argv)
+    if args.rate < 0 or args.rate != args.rate or args.rate == float("inf"):
+        ap.error(f"--rate must be a finite number >= 0, got {args.rate}")
+    if args.rate and args.sequential:
+        ap.error("--rate and --sequential exclude each other (open loop against one at a time)")
     release = vllm_release()
     if release not in SUPPORTED_VLLM:
         print(f"bench_vllm.py: runs on vLLM {', '.join(SUPPORTED_VLLM)}, not "
@@ -262,16 +298,17 @@ def main(argv=None) -> int:
         vocab = json.loads((model / "config.json").read_text())["vocab_size"]
         if args.workload == "chat":
             work = streams(args.engines, args.conversations, args.turns, args.system_prompts,
-                           args.system_len, args.seed, vocab)
+                           args.system_len, args.seed, vocab, args.rate)
         else:
-            work = rag_streams(args.engines, args.workload == "rag", args.seed, vocab)
+            work = rag_streams(args.engines, args.workload == "rag", args.seed, vocab,
+                               args.rate)
         if args.sequential:
             work = one_at_a_time(work)
         config = model_pool_config(model, kv_memory=args.kv_memory, block_size=BLOCK,
                                    max_model_len=4096, dtype=args.dtype
                                    ).replace(vllm_version=release)
         result = {"vllm_version": release, "workload": args.workload,
-                  "sequential": args.sequential,
+                  "sequential": args.sequential, "rate": args.rate,
                   "engines": args.engines, "model": args.model, "dtype": args.dtype,
                   "requests": sum(len(ph) for wl in work for ph in wl["phases"]),
                   "pool_blocks": config.num_blocks, "plan_notes": cpu_plan.notes}
@@ -301,7 +338,8 @@ def main(argv=None) -> int:
           f"{sh_r['generate_s'] / iso_r['generate_s']:.2f}x; extra hit tokens from other "
           f"engines {result['extra_hit_tokens_from_sharing']}; same tokens in both modes: "
           f"{result['same_tokens']}")
-    stem = f"vllm-{args.workload}{'-sequential' if args.sequential else ''}"
+    stem = (f"vllm-{args.workload}{'-sequential' if args.sequential else ''}"
+            f"{f'-rate{args.rate:g}' if args.rate else ''}")
     (out / f"{stem}.json").write_text(json.dumps(result, indent=1))
     wrote = [out / f"{stem}.json"]
     if plot(result, out / f"{stem}.svg"):

@@ -260,8 +260,12 @@ def test_engines_share_the_pool_the_prefix_cache_and_the_kv_bytes(model_dir, tmp
 def test_an_engine_alone_on_a_pool_gets_vllm_s_hits(model_dir, tmp_path, pool, release):
     # Requests over two shared prefixes in two phases, two of them exact
     # duplicates: within a phase the requests sharing a prefix are scheduled
-    # in one step, and all but the first hit blocks that step caches.
+    # in one step, and all but the first hit blocks that step caches.  A
+    # third phase sends phase 0 again open loop (bench_vllm --rate), one
+    # request every 0.2 s.
     wl = workload_json(in_phases(shared_prefix(seed=11), 2))
+    paced = [dict(r, id=f"o-{r['id']}", at=0.2 * i) for i, r in enumerate(wl["phases"][0])]
+    wl["phases"].append(paced)
     own = start_engine(model_dir, wl, tmp_path, "own", pool=None, release=release,
                        extra=("--num-blocks", str(pool_stats(pool)["num_blocks"])))
     alone = run_engine(model_dir, wl, tmp_path, "alone", pool=str(pool.socket),
@@ -273,6 +277,13 @@ def test_an_engine_alone_on_a_pool_gets_vllm_s_hits(model_dir, tmp_path, pool, r
     # Token for token and hit for hit what vLLM's own manager gives.
     assert outputs(alone) == outputs(own)
     assert alone["counters"] == own["counters"]
+    # Open loop: the same tokens as in the burst, each first token timed
+    # from the request's own arrival, not from the phase's start.
+    for report in (own, alone):
+        got = {r["id"]: r for r in report["requests"]}
+        assert all(got[r["id"]]["token_ids"] == got[r["id"][2:]]["token_ids"] for r in paced)
+        assert paced[-1]["at"] >= 1.0 and report["elapsed_s"] > paced[-1]["at"]
+        assert 0 < got[paced[-1]["id"]]["ttft_s"] < paced[-1]["at"] / 2
     # Most decode steps needed no round trip for their allocation.
     assert alone["plugin"]["local_allocations"] > alone["steps"] // 2
     assert pool_stats(pool)["num_requests"] == 0

@@ -17,7 +17,7 @@ import pytest
 
 from kvshm.workers.turns import assign
 from kvshm.workload.items import (Item, RagSpec, SyntheticSpec, conversations, distinct_tokens,
-    load_jsonl, rag, shared_prefix, synthetic, tokenize, write_jsonl)
+    load_jsonl, poisson_arrivals, rag, shared_prefix, synthetic, tokenize, write_jsonl)
 
 DATA = Path(__file__).parent / "data"
 
@@ -426,6 +426,19 @@ def test_conversations_carry_each_answer_into_the_next_turn():
     assert min(t for it in items for t in it.prompt) >= 3
     assert items == list(conversations(3, 4, 2, 50, seed=1))
     assert items != list(conversations(3, 4, 2, 50, seed=2))
+
+
+def test_poisson_arrivals_are_seeded_open_loop_times():
+    times = poisson_arrivals(4000, 8.0, seed=3)
+    assert times[0] == 0.0 and times == sorted(times)
+    assert times == poisson_arrivals(4000, 8.0, seed=3) != poisson_arrivals(4000, 8.0, seed=4)
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    assert 0.95 / 8 < statistics.mean(gaps) < 1.05 / 8          # 4,000 draws: within 5 %
+    assert 0.9 / 8 < statistics.stdev(gaps) < 1.1 / 8           # exponential: sd = mean
+    assert poisson_arrivals(0, 1.0) == [] and poisson_arrivals(1, 1.0) == [0.0]
+    for n, rate in ((-1, 1.0), (3, 0.0), (3, -2.0), (3, float("nan")), (3, float("inf"))):
+        with pytest.raises(ValueError, match="need n >= 0 and a finite rate > 0"):
+            poisson_arrivals(n, rate)
 
 
 def test_shared_prefix_has_shared_prompts_and_exact_duplicates():

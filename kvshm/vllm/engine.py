@@ -8,6 +8,11 @@ WORKLOAD.json: {"phases": [[{"id": "a", "prompt_ids": [...], "max_tokens": 8},
 ...], ...]} (`workload_json` writes it from kvshm.workload.items); each
 phase is one `generate()` call, phases run in order
 (`--pause-file F`: before each phase after the first, wait until F exists).
+A phase whose requests carry "at" (seconds after the phase starts) is
+served open loop instead: each request is added to the engine at its time,
+whatever the engine is doing, and its time to first token counts from
+then (a server's queue, not the client, holds a request the engine is too
+busy to take).
 The engine runs in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0) with greedy
 sampling; with KVSHM_POOL set the kvshm plugin gives it its KV-cache
 manager.  MODEL_DIR holds safetensors weights (`python -m kvshm.vllm.model
@@ -23,7 +28,7 @@ import os
 import resource
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from kvshm.workload.items import Item
@@ -36,12 +41,19 @@ def in_phases(items: Sequence[Item], phases: int) -> list[list[Item]]:
     return [list(items[i:i + step]) for i in range(0, len(items), step)]
 
 
-def workload_json(phases: Sequence[Sequence[Item]], max_tokens: int | None = None) -> dict:
+def workload_json(phases: Sequence[Sequence[Item]], max_tokens: int | None = None,
+                  arrivals: Mapping[str, float] | None = None) -> dict:
     """WORKLOAD.json's content for `phases` of kvshm.workload.items `Item`s:
-    each request generates `max_tokens` tokens, or as many as its output."""
-    return {"phases": [[{"id": it.rid, "prompt_ids": list(it.prompt),
-                         "max_tokens": len(it.output) if max_tokens is None else max_tokens}
-                        for it in phase] for phase in phases]}
+    each request generates `max_tokens` tokens, or as many as its output;
+    with `arrivals` (request id -> seconds after its phase starts), every
+    request carries its "at" and its phase is served open loop."""
+    def entry(it: Item) -> dict:
+        e = {"id": it.rid, "prompt_ids": list(it.prompt),
+             "max_tokens": len(it.output) if max_tokens is None else max_tokens}
+        if arrivals is not None:
+            e["at"] = arrivals[it.rid]
+        return e
+    return {"phases": [[entry(it) for it in phase] for phase in phases]}
 
 
 def build_llm(args):
@@ -109,6 +121,33 @@ def plugin_counters() -> dict:
     return {n: getattr(backend, n) for n in names if hasattr(backend, n)}
 
 
+def open_loop(llm, phase: list[dict], prompts: list, params: list) -> list:
+    """Serve `phase` open loop: request i is added to the engine at
+    `phase[i]["at"]` seconds from now (a request without one at 0), with
+    that moment as its arrival time, between the engine's steps; the
+    engine steps while it has requests and sleeps until the next arrival
+    when it has none.  Returns the finished outputs in `phase`'s order."""
+    engine = llm.llm_engine
+    order = sorted(range(len(phase)), key=lambda i: phase[i].get("at", 0.0))
+    wall0, t0 = time.time(), time.perf_counter()
+    done: dict[str, object] = {}
+    nxt = 0
+    while nxt < len(order) or engine.has_unfinished_requests():
+        now = time.perf_counter() - t0
+        while nxt < len(order) and phase[order[nxt]].get("at", 0.0) <= now:
+            i = order[nxt]
+            engine.add_request(phase[i]["id"], prompts[i], params[i],
+                               arrival_time=wall0 + phase[i].get("at", 0.0))
+            nxt += 1
+        if engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = out
+        else:
+            time.sleep(max(0.0, phase[order[nxt]].get("at", 0.0) - now))
+    return [done[r["id"]] for r in phase]   # (outputs carry the caller's ids)
+
+
 def run(args) -> dict:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
@@ -137,7 +176,10 @@ def run(args) -> dict:
         prompts = [TokensPrompt(prompt_token_ids=r["prompt_ids"]) for r in phase]
         params = [SamplingParams(max_tokens=r.get("max_tokens", 8), temperature=0.0,
                                  ignore_eos=True, detokenize=False) for r in phase]
-        outs = llm.generate(prompts, params, use_tqdm=False)
+        if any("at" in r for r in phase):
+            outs = open_loop(llm, phase, prompts, params)
+        else:
+            outs = llm.generate(prompts, params, use_tqdm=False)
         for r, o in zip(phase, outs):
             m = o.metrics
             results.append({"id": r["id"], "phase": i, "token_ids": list(o.outputs[0].token_ids),

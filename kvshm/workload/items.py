@@ -551,3 +551,19 @@ def distinct_tokens(items: Iterable[Item]) -> int:
                 n += 1
             node = nxt
     return n
+
+
+def poisson_arrivals(n: int, rate: float, seed: int = 0) -> list[float]:
+    """Arrival times (seconds from the start, the first at 0) of `n`
+    requests of an open-loop Poisson stream of `rate` requests a second:
+    exponential gaps drawn from `seed`; deterministic.  Raises ValueError
+    unless n >= 0 and rate > 0."""
+    if n < 0 or not rate > 0 or math.isinf(rate):
+        raise ValueError(f"need n >= 0 and a finite rate > 0, got n={n}, rate={rate}")
+    rng = random.Random(seed)
+    t, out = 0.0, []
+    for i in range(n):
+        if i:
+            t += rng.expovariate(rate)
+        out.append(t)
+    return out

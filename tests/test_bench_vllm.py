@@ -1,0 +1,80 @@
+"""scripts/bench_vllm.py's streams and arguments, without vLLM: what each
+engine is given (waves, or an open-loop Poisson stream with --rate) and
+the arguments it refuses before it starts anything."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvshm.vllm.engine import workload_json
+from kvshm.workload.items import RagSpec, rag
+
+SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+
+
+@pytest.fixture(scope="module")
+def bench_vllm():
+    sys.path.insert(0, str(SCRIPTS))
+    try:
+        import bench_vllm
+    finally:
+        sys.path.remove(str(SCRIPTS))
+    return bench_vllm
+
+
+def _requests(work):
+    return [r for wl in work for ph in wl["phases"] for r in ph]
+
+
+def test_rag_at_a_rate_is_one_open_loop_phase_per_engine_in_list_order(bench_vllm):
+    waves = bench_vllm.rag_streams(2, True, 1, 500)
+    paced = bench_vllm.rag_streams(2, True, 1, 500, rate=4.0)
+    assert [len(wl["phases"]) for wl in paced] == [1, 1]
+    # the same requests on the same engines, in the same order
+    assert [[r["id"] for r in wl["phases"][0]] for wl in paced] == \
+        [[r["id"] for r in wl["phases"][0]] for wl in waves]
+    assert all("at" not in r for r in _requests(waves))
+    reqs = sorted(_requests(paced), key=lambda r: r["at"])
+    # round robin in list order: request i of the list arrives i-th
+    assert [r["id"] for r in reqs] == [f"d{i // 6}-q{i % 6}" for i in range(36)]
+    assert reqs[0]["at"] == 0.0 and all(r["max_tokens"] == 16 for r in reqs)
+    # both modes and every run see the same times
+    assert paced == bench_vllm.rag_streams(2, True, 1, 500, rate=4.0)
+
+
+def test_chat_at_a_rate_arrives_turn_by_turn_on_the_waves_engines(bench_vllm):
+    waves = bench_vllm.streams(2, 6, 3, 2, 40, 1, 500)
+    paced = bench_vllm.streams(2, 6, 3, 2, 40, 1, 500, rate=8.0)
+    engine_of = {r["id"]: e for e, wl in enumerate(waves) for ph in wl["phases"] for r in ph}
+    assert {r["id"]: e for e, wl in enumerate(paced) for r in wl["phases"][0]} == engine_of
+    order = [r["id"] for r in sorted(_requests(paced), key=lambda r: r["at"])]
+    assert order == [f"c{c}-t{t}" for t in range(3) for c in range(6)]
+    by_id = {r["id"]: r for r in _requests(waves)}
+    assert all(r["prompt_ids"] == by_id[r["id"]]["prompt_ids"] for r in _requests(paced))
+
+
+def test_workload_json_gives_each_request_its_arrival():
+    items = list(rag(RagSpec(num_docs=1, questions=3, doc_len=(5, 5), question_len=(2, 2))))
+    wl = workload_json([items[:2], items[2:]], max_tokens=4,
+                       arrivals={"d0-q0": 0.0, "d0-q1": 0.5, "d0-q2": 0.25})
+    assert [[(r["id"], r["at"], r["max_tokens"]) for r in ph] for ph in wl["phases"]] == \
+        [[("d0-q0", 0.0, 4), ("d0-q1", 0.5, 4)], [("d0-q2", 0.25, 4)]]
+    assert all("at" not in r for ph in workload_json([items])["phases"] for r in ph)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--rate", "-1"], "--rate must be a finite number >= 0, got -1.0"),
+    (["--rate", "nan"], "--rate must be a finite number >= 0, got nan"),
+    (["--rate", "inf"], "--rate must be a finite number >= 0, got inf"),
+    (["--rate", "2", "--sequential"], "--rate and --sequential exclude each other"),
+])
+def test_bad_arguments_are_refused_before_anything_starts(argv, message, tmp_path):
+    proc = subprocess.run([sys.executable, str(SCRIPTS / "bench_vllm.py"), *argv,
+                           "--out", str(tmp_path / "out")],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and message in proc.stderr
+    assert not (tmp_path / "out").exists()
