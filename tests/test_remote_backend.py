@@ -1,6 +1,6 @@
 """The vLLM plugin's backend on a shared pool (kvshm/vllm/remote.py) without
 vLLM: a waiting request's lookup of tokens another session is computing,
-its wait and deadline, the polling that spares round trips, and the two
+its wait, its budget and deadline, the polling that spares round trips, and the two
 ways the scheduler is told (skipped by the plugin's connector, or a None
 allocation)."""
 
@@ -134,6 +134,65 @@ def test_a_waiting_request_computes_the_tokens_itself_at_its_deadline(proc):
         writer.free("w")
         b.client.close()
         quick.client.close()
+
+
+def test_a_request_waits_no_longer_than_computing_the_tokens_itself(pool_name):
+    """The wait's budget is the in-flight tokens times the engine's own cost
+    per token, measured from the end of a step's scheduling to the end of
+    its forward pass on steps of at least 32 tokens (seconds over tokens,
+    decaying sums), and capped by the deadline (the whole deadline until a
+    step is measured)."""
+    cfg = make_config(num_blocks=256, max_num_seqs=16, max_model_len=512)
+    with CoordinatorProcess(cfg, name=pool_name) as proc, \
+            connect_sync(proc.socket, hash_algorithm=cfg.hash_algorithm,
+                         hash_seed=cfg.hash_seed) as writer:
+        b = backend(proc, wait_in_flight=8, in_flight_deadline=30, in_flight_poll=0.005)
+        b.skips_waiting = True
+        hasher = b.client.make_hasher()
+        assert b.token_cost is None and b.wait_budget(20) == 30
+        own = VllmRequest("own", tokens(1000, 1300), hasher)     # a 300-token prefill
+        assert allocate(b, own, None, 0) is not None
+        time.sleep(0.3)                                           # its forward pass
+        b.step_computed({"own": 300})
+        first = b.token_cost
+        assert 0.001 <= first < 0.01                              # about 1 ms a token
+        assert b.wait_budget(20) == pytest.approx(20 * first)
+        assert b.wait_budget(10**6) == 30                         # the deadline caps it
+        # A small step (a decode step) measures nothing.
+        own.num_computed_tokens, own.num_tokens = 300, 301
+        assert b.allocate_slots(own, 1, 0, None, 0, 0, False, 0) is not None
+        time.sleep(0.05)
+        b.step_computed({"own": 1})
+        assert b.token_cost == first
+        # A slower step of 40 tokens raises the cost, weighed by its tokens.
+        short = VllmRequest("short", tokens(2000, 2040), hasher)
+        assert allocate(b, short, None, 0) is not None
+        time.sleep(0.12)                                          # 3 ms a token
+        b.step_computed({"short": 40})
+        assert first < b.token_cost < 0.12 / 40
+        assert b.token_cost < 2 * first                           # the long step weighs most
+        first = b.token_cost
+        # Tokens in flight: the request waits about 20 ms, then computes them.
+        prompt = tokens(0, 20)
+        writer.add_request("w", prompt)
+        writer.allocate_slots("w", 20)
+        req = VllmRequest("r", prompt + tokens(100, 103), hasher)   # 20 tokens in flight
+        t0 = time.monotonic()
+        b.get_computed_blocks(req)
+        assert b.waits("r")
+        while True:
+            hits, n, _ = b.get_computed_blocks(req)
+            if not b.waits("r"):
+                break
+            b.idle(0)
+        waited = time.monotonic() - t0
+        assert 20 * first <= waited < 2.0 and n == 0
+        assert allocate(b, req, hits, 0) is not None
+        b.free(req)
+        b.free(own)
+        b.free(short)
+        writer.free("w")
+        b.client.close()
 
 
 def test_the_backend_rides_through_a_restart_its_session_survives(proc):

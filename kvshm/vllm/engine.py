@@ -109,15 +109,15 @@ def count_steps(llm) -> list[int]:
 def plugin_counters() -> dict:
     """The kvshm backend's counters (allocations answered without a round
     trip, stale hits, waits for tokens in flight, the steps that skipped a
-    waiting request, and whether the scheduler skips them: the plugin's
-    connector is installed), when this process has a shared pool's backend;
-    else {}."""
+    waiting request, whether the scheduler skips them: the plugin's
+    connector is installed, and the measured seconds per token that bound a
+    wait), when this process has a shared pool's backend; else {}."""
     if not os.environ.get("KVSHM_POOL", "").strip():
         return {}
     from kvshm.vllm.binding import current_binding
     backend = current_binding().backend
     names = ("local_allocations", "stale_hits", "in_flight_waits", "in_flight_skips",
-             "skips_waiting")
+             "skips_waiting", "token_cost")
     return {n: getattr(backend, n) for n in names if hasattr(backend, n)}
 
 

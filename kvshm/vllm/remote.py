@@ -19,8 +19,12 @@ ids the backend keeps), and `remove_skipped_blocks` where no group ever
 skips a block.
 
 A waiting request whose lookup stops where another engine is writing at
-least `wait_in_flight` more of its tokens waits for them, up to
-`in_flight_deadline` seconds (`waits`).  With the plugin's KV connector
+least `wait_in_flight` more of its tokens waits for them (`waits`), for at
+most as long as computing them itself would take: their count times this
+engine's own cost per token, measured on its steps (`token_cost`), and
+never more than `in_flight_deadline` seconds (the whole wait until a step
+has been measured).  So a request that waits in vain is at worst twice as
+late as one that never waited, however busy the writer is.  With the plugin's KV connector
 installed (`gate.py`, `skips_waiting`), the scheduler skips the request
 this step and schedules the ones behind it; without (the engine has a
 connector of its own), its allocation answers None, which vLLM's scheduler
@@ -64,6 +68,11 @@ log = logging.getLogger("kvshm.vllm")
 # added (no window drops blocks, no sink blocks): the backend keeps a
 # request's block ids itself instead of asking for them.
 _GROWING = (FullSpec, MLASpec, CrossAttentionSpec)
+# Steps of at least this many tokens measure the engine's cost per token
+# (decode steps are mostly the step's fixed cost), and the weight of each
+# new step in the running sums.
+_MEASURED_STEP = 32
+_COST_WEIGHT = 0.2
 # Groups where an allocation that needs no new block and caches no new block
 # changes nothing in the pool (cross-attention allocates for encoder tokens).
 _LOCAL = (FullSpec, MLASpec)
@@ -90,6 +99,13 @@ class RemoteBackend:
         self._wait_until: dict[str, float] = {}
         self._looked_up: dict[str, tuple[float, list[list[int]], int, int, int]] = {}
         self.in_flight_waits = 0     # requests that waited for tokens in flight
+        # This engine's measured steps of at least _MEASURED_STEP tokens
+        # (from the end of their scheduling to the end of their forward
+        # pass): their tokens and seconds, summed with weights that decay
+        # by _COST_WEIGHT a step (`token_cost`).
+        self._measured_tokens = 0.0
+        self._measured_seconds = 0.0
+        self._scheduled_at = 0.0
         # The scheduler skips a waiting request (the plugin's connector asks
         # `waits`) rather than taking a None allocation as a full pool.
         self.skips_waiting = False
@@ -208,7 +224,7 @@ class RemoteBackend:
         now = time.monotonic()
         until = self._wait_until.get(rid)
         if until is None:
-            self._wait_until[rid] = now + self.in_flight_deadline
+            self._wait_until[rid] = now + self.wait_budget(n)
             self.in_flight_waits += 1
             return True
         if now < until:
@@ -216,6 +232,24 @@ class RemoteBackend:
         del self._wait_until[rid]
         self._looked_up.pop(rid, None)
         return False
+
+    @property
+    def token_cost(self) -> float | None:
+        """Seconds per token of this engine's recent steps of at least
+        _MEASURED_STEP tokens (their seconds over their tokens, so long
+        prefills weigh most and the small steps' fixed cost errs towards
+        waiting longer); None until a step is measured."""
+        if not self._measured_tokens:
+            return None
+        return self._measured_seconds / self._measured_tokens
+
+    def wait_budget(self, num_tokens: int) -> float:
+        """Seconds a request may wait for `num_tokens` tokens in flight: what
+        this engine would take to compute them, up to `in_flight_deadline`."""
+        cost = self.token_cost
+        if cost is None:
+            return self.in_flight_deadline
+        return min(self.in_flight_deadline, num_tokens * cost)
 
     def allocate_slots(self, request, num_new_tokens, num_new_computed_tokens, hits,
                        num_lookahead_tokens, num_external_computed_tokens,
@@ -226,6 +260,8 @@ class RemoteBackend:
         if self._lost is not None:
             raise self._lost
         rid = request.request_id
+        # The last allocation of a step is the end of its scheduling.
+        self._scheduled_at = time.monotonic()
         if not self.skips_waiting and self._in_flight and self.waits(rid):
             return None                              # (only lookups set _in_flight)
         total = request.num_computed_tokens + num_new_computed_tokens
@@ -305,6 +341,13 @@ class RemoteBackend:
         tokens (`num_scheduled_tokens`: request id -> tokens): their blocks
         become hits for every engine once the next frame says so."""
         start = self._step_start
+        if start and self._scheduled_at:
+            n = sum(num_scheduled_tokens.values())
+            if n >= _MEASURED_STEP:
+                keep = 1.0 - _COST_WEIGHT
+                self._measured_tokens = keep * self._measured_tokens + n
+                self._measured_seconds = (keep * self._measured_seconds
+                                          + time.monotonic() - self._scheduled_at)
         sizes = self._block_sizes
         report = self._report
         for rid, n in num_scheduled_tokens.items():
