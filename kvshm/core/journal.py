@@ -31,8 +31,13 @@ from __future__ import annotations
 
 from array import array
 
-from kvshm.core.state import (FRAME, FRAME_CACHE_STAMP_WORD, META, PREFIX, RID_BYTES, ROW,
-    ROW_WORDS, SESSION, SESSION_ENTRY_WORDS, SLOT_META_FIELDS, STATS, STATS_WORDS, UNDO_LEN_WORD)
+from kvshm.core.state import (FRAME, FRAME_CACHE_STAMP_WORD, META, META_WORDS, PREFIX,
+    RID_BYTES, ROW, ROW_WORDS, SESSION, SESSION_ENTRY_WORDS, SLOT_META_FIELDS, STATS,
+    STATS_WORDS, UNDO_LEN_WORD)
+
+_RID_WORDS = RID_BYTES // 8
+# A META entry is stored field by field (slot_meta): it has four.
+assert SLOT_META_FIELDS == 4 and META_WORDS == 2 + SLOT_META_FIELDS + _RID_WORDS
 
 
 class Journal:
@@ -46,7 +51,7 @@ class Journal:
         self._counts = seg.slot_counts
         self._tables = seg.tables
         self._meta = seg.slot_meta
-        self._rid = seg.slot_rid
+        self._rid_words = seg.slot_rid_words
         self._num_groups = len(seg.config.groups)
         self._widths = seg.layout.widths
         self.n = 0
@@ -145,10 +150,19 @@ class Journal:
         if not self.open or slot in self._slots:
             return
         self._slots.add(slot)
-        entry = array("q", (META, slot))
-        entry.extend(self._meta[slot * SLOT_META_FIELDS:(slot + 1) * SLOT_META_FIELDS])
-        entry.frombytes(self._rid[slot * RID_BYTES:(slot + 1) * RID_BYTES])
-        self._append(entry)
+        n = self._start()
+        log = self._log
+        meta = self._meta
+        k = slot * SLOT_META_FIELDS
+        log[n] = META
+        log[n + 1] = slot
+        log[n + 2] = meta[k]
+        log[n + 3] = meta[k + 1]
+        log[n + 4] = meta[k + 2]
+        log[n + 5] = meta[k + 3]
+        w = slot * _RID_WORDS
+        log[n + 6:n + META_WORDS] = self._rid_words[w:w + _RID_WORDS]
+        self._close(n + META_WORDS)
 
     def stats(self, values) -> None:
         """The lookup counters (currently `values`) are about to change."""

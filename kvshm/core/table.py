@@ -15,6 +15,8 @@ from kvshm.core.errors import InvalidArgument, RequestTableFull
 from kvshm.core.state import NUM_REQUESTS_WORD, RID_BYTES, SLOT_META_FIELDS, SegmentState
 
 NO_ENTRY = -1
+# A released slot's metadata (rid_len, owner, in_use, reserved).
+_EMPTY_META = array("i", bytes(4 * SLOT_META_FIELDS))
 
 
 class RequestTable:
@@ -86,12 +88,13 @@ class RequestTable:
         journal = self._journal
         journal.slot_meta(slot)
         base = slot * SLOT_META_FIELDS
-        self._meta[base:base + SLOT_META_FIELDS] = array("i", (0, 0, 0, 0))
+        self._meta[base:base + SLOT_META_FIELDS] = _EMPTY_META
         c = self._counts
-        for g in range(self.num_groups):
-            journal.row(slot, g)
+        for g in range(self.num_groups):   # (the managers' free dropped them, as a rule)
             base = (slot * self.num_groups + g) * 2
-            c[base] = c[base + 1] = NO_ENTRY
+            if c[base] != NO_ENTRY or c[base + 1] != NO_ENTRY:
+                journal.row(slot, g)
+                c[base] = c[base + 1] = NO_ENTRY
         self._free_slots.append(slot)
         self._words[NUM_REQUESTS_WORD] = len(self.slot_of)
 

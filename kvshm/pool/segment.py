@@ -60,6 +60,11 @@ class PoolSegment(OwnedMapping):
             self._views.append(view)
             setattr(self, name, view)
         self.tables = [getattr(self, f"table{g}") for g in range(len(layout.widths))]
+        # The request ids as 8-byte words: the journal copies a slot's id
+        # into its log in one slice.
+        off, size = layout.offsets["slot_rid"]
+        self.slot_rid_words = buf[off:off + size].cast("q")
+        self._views.append(self.slot_rid_words)
         # The fixed header as 8-byte words (fields from offset 64 on are
         # words): the writer's hot path stores through this view.
         self.words = buf[:HEADER_FIXED].cast("Q")
