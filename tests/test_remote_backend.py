@@ -2,10 +2,11 @@
 vLLM: a waiting request's lookup of tokens another session is computing,
 its wait, its budget and deadline, the polling that spares round trips, and the two
 ways the scheduler is told (skipped by the plugin's connector, or a None
-allocation)."""
+allocation); and the plugin's settings, read when its binding is made."""
 
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
@@ -15,6 +16,8 @@ from kvshm.core.request import Request
 from kvshm.pool.segment import remove_segment
 from kvshm.service.process import CoordinatorProcess
 from kvshm.service.sync_client import connect_sync
+from kvshm.core.errors import ConfigError
+from kvshm.vllm.binding import EMBEDDED, PoolBinding
 from kvshm.vllm.remote import PoolSessionLost, RemoteBackend
 
 CFG = make_config(num_blocks=64, max_num_seqs=16)
@@ -235,3 +238,39 @@ def test_a_session_lost_in_a_restart_stops_the_backend_for_good(proc, pool_name)
         assert b.client.stats().num_requests == 0     # nothing re-added behind its back
     finally:
         b.close()
+
+
+PLUGIN_SETTINGS = ("KVSHM_CONNECT_TIMEOUT", "KVSHM_NODE", "KVSHM_WAIT_IN_FLIGHT",
+                   "KVSHM_IN_FLIGHT_DEADLINE")
+
+
+@pytest.mark.parametrize("name, value, says", [
+    ("KVSHM_IN_FLIGHT_DEADLINE", "2s", "KVSHM_IN_FLIGHT_DEADLINE: '2s' is not a number"),
+    ("KVSHM_IN_FLIGHT_DEADLINE", "-1", "must be a finite number >= 0 (got -1)"),
+    ("KVSHM_IN_FLIGHT_DEADLINE", "inf", "must be a finite number >= 0 (got inf)"),
+    ("KVSHM_WAIT_IN_FLIGHT", "1.5", "KVSHM_WAIT_IN_FLIGHT: '1.5' is not a whole number"),
+    ("KVSHM_WAIT_IN_FLIGHT", "-3", "must be a finite number >= 0 (got -3)"),
+    ("KVSHM_CONNECT_TIMEOUT", "nan", "KVSHM_CONNECT_TIMEOUT: must be a finite number"),
+    ("KVSHM_NODE", "-2", "KVSHM_NODE: must be a finite number >= -1 (got -2)"),
+    ("KVSHM_NODE", "one", "KVSHM_NODE: 'one' is not a whole number"),
+])
+def test_a_bad_plugin_setting_stops_the_engine_at_its_start_naming_it(monkeypatch, name,
+                                                                      value, says):
+    for other in PLUGIN_SETTINGS:
+        monkeypatch.delenv(other, raising=False)
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ConfigError, match=re.escape(says)):
+        PoolBinding("/nowhere/pool.sock")
+    PoolBinding(EMBEDDED)              # an engine's own embedded pool reads none of them
+
+
+def test_the_plugin_settings_default_when_unset_or_blank(monkeypatch):
+    for name in PLUGIN_SETTINGS:
+        monkeypatch.setenv(name, "  ")
+    b = PoolBinding("/nowhere/pool.sock")
+    assert (b.connect_timeout, b.node, b.wait_in_flight, b.in_flight_deadline) == (30, -1, 128, 2)
+    monkeypatch.setenv("KVSHM_WAIT_IN_FLIGHT", " 0 ")      # never wait
+    monkeypatch.setenv("KVSHM_IN_FLIGHT_DEADLINE", "0.5")
+    monkeypatch.setenv("KVSHM_NODE", "1")
+    b = PoolBinding("/nowhere/pool.sock")
+    assert (b.node, b.wait_in_flight, b.in_flight_deadline) == (1, 0, 0.5)

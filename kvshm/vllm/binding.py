@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import math
 import os
 import time
 from typing import Protocol
@@ -96,12 +97,41 @@ class EmbeddedBackend:
         self.manager.close()
 
 
+def env_number(name: str, default: float, *, integer: bool = False,
+               minimum: float = 0) -> float:
+    """The number in environment variable `name` (`default` when it is
+    unset or blank).  Raises ConfigError naming the variable unless it is a
+    finite number (a whole one with `integer`) of at least `minimum`."""
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return default
+    try:
+        value = int(text) if integer else float(text)
+    except ValueError:
+        kind = "a whole number" if integer else "a number"
+        raise ConfigError(name, f"{text!r} is not {kind}") from None
+    if not math.isfinite(value) or value < minimum:
+        raise ConfigError(name, f"must be a finite number >= {minimum:g} (got {text})")
+    return value
+
+
 class PoolBinding:
-    """This process's pool: `target` is "embedded" or a coordinator socket."""
+    """This process's pool: `target` is "embedded" or a coordinator socket.
+
+    A shared pool's settings are read from the environment when the binding
+    is made (the engine's start), so a bad one stops the engine there with
+    its name: KVSHM_CONNECT_TIMEOUT (seconds, 30), KVSHM_NODE (the NUMA node
+    the session reports, -1: none), KVSHM_WAIT_IN_FLIGHT (tokens, 128; 0:
+    never wait) and KVSHM_IN_FLIGHT_DEADLINE (seconds, 2)."""
 
     def __init__(self, target: str) -> None:
         self.target = target
         self.embedded = target == EMBEDDED
+        if not self.embedded:
+            self.connect_timeout = env_number("KVSHM_CONNECT_TIMEOUT", 30.0)
+            self.node = env_number("KVSHM_NODE", -1, integer=True, minimum=-1)
+            self.wait_in_flight = env_number("KVSHM_WAIT_IN_FLIGHT", 128, integer=True)
+            self.in_flight_deadline = env_number("KVSHM_IN_FLIGHT_DEADLINE", 2.0)
         self.engine_config = None    # vLLM's VllmConfig, set by the scheduler patch
         self.backend: Backend | None = None
         self.backend_hasher: BlockHasher | None = None
@@ -176,12 +206,12 @@ class PoolBinding:
             token_file = os.environ.get("KVSHM_TENANT_TOKEN_FILE")
             # (read once, and refused unless private, as the coordinator reads its own)
             tenant_token = read_token_file(token_file) if token_file else None
-            deadline = time.monotonic() + float(os.environ.get("KVSHM_CONNECT_TIMEOUT", "30"))
+            deadline = time.monotonic() + self.connect_timeout
             while True:
                 try:
                     self.client = connect_sync(
                         path, hash_algorithm=None, tenant=os.environ.get("KVSHM_TENANT", ""),
-                        node=int(os.environ.get("KVSHM_NODE", "-1")),
+                        node=self.node,
                         admin=os.environ.get("KVSHM_ADMIN") == "1", tenant_token=tenant_token,
                         vllm_version=vllm_release())
                     break
@@ -332,9 +362,8 @@ class PoolBinding:
                                 f"{kv_cache_config.num_blocks}")
             if problems:
                 raise PoolRefused(_refusal(self.target, problems))
-            backend = RemoteBackend(
-                client, wait_in_flight=int(os.environ.get("KVSHM_WAIT_IN_FLIGHT", "128")),
-                in_flight_deadline=float(os.environ.get("KVSHM_IN_FLIGHT_DEADLINE", "2")))
+            backend = RemoteBackend(client, wait_in_flight=self.wait_in_flight,
+                                    in_flight_deadline=self.in_flight_deadline)
             self.backend_hasher = client.make_hasher()
         self.backend = backend
         atexit.register(self.close)
