@@ -24,12 +24,13 @@ most as long as computing them itself would take: their count times this
 engine's own cost per token, measured on its steps (`token_cost`), and
 never more than `in_flight_deadline` seconds (the whole wait until a step
 has been measured).  So a request that waits in vain is at worst twice as
-late as one that never waited, however busy the writer is.  With the plugin's KV connector
-installed (`gate.py`, `skips_waiting`), the scheduler skips the request
-this step and schedules the ones behind it; without (the engine has a
-connector of its own), its allocation answers None, which vLLM's scheduler
-takes as a full pool (the request stays first in line and the waiting
-requests behind it wait too, as they would for free blocks).  While it
+late as one that never waited, however busy the writer is.  With the
+plugin's KV connector installed (`gate.py`, `skips_waiting`), the
+scheduler skips the request this step and schedules the ones behind it;
+without (the engine has a connector of its own), its allocation answers
+None, which vLLM's scheduler takes as a full pool (the request stays first
+in line and the waiting requests behind it wait too, as they would for
+free blocks).  While it
 waits it is looked up again at most every `in_flight_poll` seconds, and a
 step that schedules nothing else sleeps until then (vLLM's engine loop
 would otherwise spin through empty steps, each with a round trip).
