@@ -102,8 +102,10 @@ class RemoteBackend:
         self.in_flight_waits = 0     # requests that waited for tokens in flight
         # This engine's measured steps of at least _MEASURED_STEP tokens
         # (from the end of their scheduling to the end of their forward
-        # pass): their tokens and seconds, summed with weights that decay
-        # by _COST_WEIGHT a step (`token_cost`).
+        # pass: vLLM's CPU platform turns asynchronous scheduling off, so a
+        # step's forward pass runs between the two): their tokens and
+        # seconds, summed with weights that decay by _COST_WEIGHT a step
+        # (`token_cost`).
         self._measured_tokens = 0.0
         self._measured_seconds = 0.0
         self._scheduled_at = 0.0
