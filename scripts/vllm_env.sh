@@ -51,7 +51,7 @@ source "$REPO/scripts/_venv.sh"
 stamp="$VENV/.vllm-installed"
 want="$VLLM_DIST==$VLLM_VERSION torch==$TORCH_VERSION"
 if [ "$(cat "$stamp" 2>/dev/null || true)" != "$want" ]; then
-  pip=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
+  pip=("$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-compile)
   echo "installing torch $TORCH_VERSION and vLLM $VLLM_VERSION ($VLLM_DIST) into $VENV" >&2
   "${pip[@]}" "torch==$TORCH_VERSION" packaging
   # Another CPU build installed before (a different machine): replace it.

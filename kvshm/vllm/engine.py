@@ -23,6 +23,7 @@ so a wrong K/V block changes what is generated).
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import resource
@@ -220,6 +221,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="turn the engine's KV events on, published (bound) at ENDPOINT, "
                     "and report what it sent")
     args = ap.parse_args(argv)
+    atexit.register(_end_after_exit_handlers)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     report = run(args)
@@ -228,7 +230,24 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.out).write_text(text)
     else:
         sys.stdout.write(text + "\n")
+    _reported.append(True)
     return 0
+
+
+_reported: list[bool] = []
+
+
+def _end_after_exit_handlers() -> None:
+    """The last exit handler (registered before vLLM and the plugin
+    register theirs): once the report is out, end the process here, after
+    every other handler (vLLM's engine shutdown, the plugin's session and
+    segments), without the interpreter's finalization, which frees torch's
+    and vLLM's objects one by one: about 3 s for a 0.32 engine here, and
+    part of every measured wall time."""
+    if _reported:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 if __name__ == "__main__":
