@@ -21,6 +21,7 @@ from helpers import kvshm_segments
 from kvshm.vllm.engine import in_phases, workload_json
 from kvshm.workload.items import shared_prefix
 from kvshm.vllm.model import write_tiny_model
+from kvshm.vllm.release import vllm_cache_root
 
 REPO = Path(__file__).resolve().parent.parent
 PYTHONS = {
@@ -390,6 +391,7 @@ def test_the_readme_s_vllm_commands_run_as_written(tmp_path):
     for name in ("scripts", ".venv-vllm", "pyproject.toml", "kvshm"):
         (tmp_path / name).symlink_to(REPO / name)
     env = {k: v for k, v in os.environ.items() if k not in ("KVSHM_POOL", "PYTHONHASHSEED")}
+    env.setdefault("VLLM_CACHE_ROOT", vllm_cache_root("0.14.0"))   # as kvshm's engines have it
     before = kvshm_segments()
     proc = subprocess.run(["bash", "-e", "-c", commands], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=2 * ENGINE_TIMEOUT)

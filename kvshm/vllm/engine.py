@@ -32,6 +32,7 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from kvshm.vllm.release import vllm_cache_root, vllm_release
 from kvshm.workload.items import Item
 
 
@@ -222,6 +223,7 @@ def main(argv: list[str] | None = None) -> int:
                     "and report what it sent")
     args = ap.parse_args(argv)
     atexit.register(_end_after_exit_handlers)
+    os.environ.setdefault("VLLM_CACHE_ROOT", vllm_cache_root(vllm_release()))
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     report = run(args)

@@ -36,3 +36,14 @@ def vllm_release() -> str:
     except ImportError:
         return ""
     return __version__.split("+", 1)[0]
+
+
+def vllm_cache_root(release: str) -> str:
+    """A vLLM cache directory for `release` alone, beside vLLM's default
+    one (`VLLM_CACHE_ROOT` for the engines kvshm starts: tests, benchmarks).
+    vLLM names its cached model inspections by model class alone, so two
+    releases sharing a cache overwrite each other's entry, and an engine
+    started after one of the other release inspects its model again in a
+    subprocess: about 7 s of its start-up here."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, f"vllm-{release}")
