@@ -241,9 +241,10 @@ _reported: list[bool] = []
 
 def _end_after_exit_handlers() -> None:
     """The last exit handler (registered before vLLM and the plugin
-    register theirs): once the report is out, end the process here, after
-    every other handler (vLLM's engine shutdown, the plugin's session and
-    segments), without the interpreter's finalization, which frees torch's
+    register theirs: the plugin's when it opens its backend, weakref's,
+    which shuts vLLM's engine down, when vLLM makes its first finalizer):
+    once the report is out, end the process here, after every other
+    handler, without the interpreter's finalization, which frees torch's
     and vLLM's objects one by one: about 3 s for a 0.32 engine here, and
     part of every measured wall time."""
     if _reported:
