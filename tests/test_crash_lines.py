@@ -179,7 +179,8 @@ def _cases(kind: str) -> list[tuple[int, int]]:
     out = []
     seen: set = set()
     if SWEEP == "lines":   # the lines a config before this one reaches are done there
-        for other in sorted(CONFIGS)[:sorted(CONFIGS).index(kind)]:
+        names = sorted(CONFIGS)
+        for other in names[:names.index(kind)]:
             for lines in REFERENCE[other][2]:
                 seen.update(lines)
     for i, lines in enumerate(REFERENCE[kind][2]):
