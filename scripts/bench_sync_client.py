@@ -8,7 +8,9 @@ Three figures per frame, each the median (and p99) of `--rounds` round trips:
 - `echo`: a blocking client sends the frame's bytes to a blocking echo
   server process and reads them back (the transport's floor); `uvloop_echo`
   the same against an asyncio echo server on uvloop (the coordinator's
-  event loop, without its work);
+  event loop, without its work); `shm_echo` the same bytes through a
+  shared-memory slot each way with an eventfd wake-up (`ShmEcho`: the
+  transport issue 22 lists as a candidate, measured beside the socket);
 - `raw`: the same blocking client sends the frame to a coordinator and reads
   the reply bytes (the coordinator's work, no client-side encode/decode);
 - `sync`: `SyncClient.request(msg)` to the coordinator (what vLLM engines
@@ -31,10 +33,12 @@ coordinator spent per round trip in each placement.
 from __future__ import annotations
 
 import argparse
+import mmap
 import multiprocessing as mp
 import os
 import socket
 import statistics
+import struct
 import tempfile
 import time
 
@@ -83,6 +87,58 @@ def _uvloop_echo_server(path: str, ready) -> None:
             await server.serve_forever()
 
     uvloop.run(main())
+
+
+_SEQ, _LEN = struct.Struct("Q"), struct.Struct("I")
+
+
+def _await_seq(mm: mmap.mmap, at: int, seq: int, wake: int) -> None:
+    """Sleep on eventfd `wake` until the sequence number at `at` is `seq`
+    (a wake-up left from a frame already seen just costs another read)."""
+    while _SEQ.unpack_from(mm, at)[0] != seq:
+        os.eventfd_read(wake)
+
+
+class ShmEcho:
+    """An echo over shared memory: one slot each way in a map the forked
+    server shares (its sequence number at 0, the frame's length at 8, the
+    frame from 64), and an eventfd each way to wake the side that sleeps in
+    a blocking read of it, as a coordinator would in its event loop.  The
+    frame is copied in, then its sequence number stored: on x86 (stores are
+    seen in order) the other side reads the frame whole once it sees the
+    number.  No spin: every round trip wakes the server and then the
+    client, as a socket round trip does."""
+
+    SLOT = 1 << 16
+    REPLY = 64 + SLOT
+
+    def __init__(self, ctx) -> None:
+        self.map = mmap.mmap(-1, 2 * self.REPLY)    # MAP_SHARED: the fork shares it
+        self.to_server, self.to_client = os.eventfd(0), os.eventfd(0)
+        self.seq = 0
+        self.proc = ctx.Process(target=self._serve, daemon=True)
+        self.proc.start()
+
+    def _serve(self) -> None:
+        mm, reply, seq = self.map, self.REPLY, 0
+        while True:
+            seq += 1
+            _await_seq(mm, 0, seq, self.to_server)
+            n = _LEN.unpack_from(mm, 8)[0]
+            mm[reply + 64:reply + 64 + n] = mm[64:64 + n]
+            _LEN.pack_into(mm, reply + 8, n)
+            _SEQ.pack_into(mm, reply, seq)
+            os.eventfd_write(self.to_client, 1)
+
+    def round_trip(self, frame: bytes) -> bytes:
+        mm, reply, n = self.map, self.REPLY, len(frame)
+        self.seq += 1
+        mm[64:64 + n] = frame
+        _LEN.pack_into(mm, 8, n)
+        _SEQ.pack_into(mm, 0, self.seq)
+        os.eventfd_write(self.to_server, 1)
+        _await_seq(mm, reply, self.seq, self.to_client)
+        return mm[reply + 64:reply + 64 + _LEN.unpack_from(mm, reply + 8)[0]]
 
 
 def _read_frame(sock: socket.socket) -> None:
@@ -171,6 +227,8 @@ def _run(rounds: int, out: dict, layouts_to_measure: dict) -> dict:
             socks[key] = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             socks[key].connect(path)
             servers.append(proc)
+        shm = ShmEcho(ctx)
+        servers.append(shm.proc)
         client = connect_sync(coord.socket, hash_algorithm=CONFIG.hash_algorithm,
                               hash_seed=CONFIG.hash_seed)
         raw, _ = open_wire_sync(coord.socket, make_hello(
@@ -189,6 +247,12 @@ def _run(rounds: int, out: dict, layouts_to_measure: dict) -> dict:
                 sock.sendall(frame)
                 _read_frame(sock)
 
+            if shm.round_trip(frame) != frame:
+                raise RuntimeError("the shared-memory echo returned other bytes")
+
+            def shm_rt():
+                shm.round_trip(frame)
+
             def raw_rt():
                 rsock.sendall(frame)
                 _read_frame(rsock)
@@ -203,12 +267,12 @@ def _run(rounds: int, out: dict, layouts_to_measure: dict) -> dict:
                     os.sched_setaffinity(pid, theirs)
                 row = {"frame_bytes": len(frame), "client_cpus": sorted(mine),
                        "server_cpus": sorted(theirs)}
-                # Interleave the four, three times, so drift hits all alike.
-                parts = {"echo": [], "uvloop_echo": [], "raw": [], "sync": []}
+                # Interleave the five, three times, so drift hits all alike.
+                parts = {"echo": [], "uvloop_echo": [], "shm_echo": [], "raw": [], "sync": []}
                 cpu = 0.0
                 for _ in range(3):
-                    for key, fn in (("echo", echo_rt), ("uvloop_echo", uv_rt), ("raw", raw_rt),
-                                    ("sync", sync_rt)):
+                    for key, fn in (("echo", echo_rt), ("uvloop_echo", uv_rt),
+                                    ("shm_echo", shm_rt), ("raw", raw_rt), ("sync", sync_rt)):
                         before = cpu_seconds(coord.proc.pid)
                         parts[key].append(_time(fn, rounds // 3))
                         if key == "sync":
@@ -217,6 +281,7 @@ def _run(rounds: int, out: dict, layouts_to_measure: dict) -> dict:
                     row[key] = {m: statistics.median(r[m] for r in runs) for m in runs[0]}
                 row["sync_vs_echo_p50"] = row["sync"]["p50_us"] / row["echo"]["p50_us"]
                 row["sync_vs_raw_p50"] = row["sync"]["p50_us"] / row["raw"]["p50_us"]
+                row["shm_vs_echo_p50"] = row["shm_echo"]["p50_us"] / row["echo"]["p50_us"]
                 # (warm-up calls included: a slight over-estimate)
                 row["coordinator_cpu_us_per_sync_call"] = cpu / (3 * (rounds // 3)) * 1e6
                 layouts[where] = row
@@ -239,12 +304,12 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     res = run(args.rounds)
     print(f"{'frame':<16}{'placement':<15}{'bytes':>6}{'echo p50':>10}{'uv echo':>9}"
-          f"{'raw p50':>10}{'sync p50':>10}{'sync p99':>10}{'sync/echo':>11}{'sync/raw':>10}"
+          f"{'shm echo':>10}{'raw p50':>10}{'sync p50':>10}{'sync p99':>10}{'sync/echo':>11}{'sync/raw':>10}"
           f"{'coord CPU':>11}   (microseconds)")
     for name, frame in res["frames"].items():
         for where, r in frame["placements"].items():
             print(f"{name:<16}{where:<15}{r['frame_bytes']:>6}{r['echo']['p50_us']:>10.1f}"
-                  f"{r['uvloop_echo']['p50_us']:>9.1f}"
+                  f"{r['uvloop_echo']['p50_us']:>9.1f}{r['shm_echo']['p50_us']:>10.1f}"
                   f"{r['raw']['p50_us']:>10.1f}{r['sync']['p50_us']:>10.1f}"
                   f"{r['sync']['p99_us']:>10.1f}{r['sync_vs_echo_p50']:>10.2f}x"
                   f"{r['sync_vs_raw_p50']:>9.2f}x"

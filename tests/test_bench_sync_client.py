@@ -31,4 +31,5 @@ def test_bench_sync_client_tiny(tmp_path):
             assert row["client_cpus"] == [cpus[0]]
             assert row["server_cpus"] == [cpus[1] if where == "separate_cpus" else cpus[0]]
             assert row["sync"]["p50_us"] > 0 and row["coordinator_cpu_us_per_sync_call"] >= 0
+            assert row["shm_echo"]["p50_us"] > 0 and row["shm_vs_echo_p50"] > 0
     assert os.sched_getaffinity(0) == set(cpus)   # (the test process was not pinned)
