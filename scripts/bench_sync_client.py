@@ -304,7 +304,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     res = run(args.rounds)
     print(f"{'frame':<16}{'placement':<15}{'bytes':>6}{'echo p50':>10}{'uv echo':>9}"
-          f"{'shm echo':>10}{'raw p50':>10}{'sync p50':>10}{'sync p99':>10}{'sync/echo':>11}{'sync/raw':>10}"
+          f"{'shm echo':>10}{'raw p50':>10}{'sync p50':>10}{'sync p99':>10}{'sync/echo':>11}"
+          f"{'sync/raw':>10}"
           f"{'coord CPU':>11}   (microseconds)")
     for name, frame in res["frames"].items():
         for where, r in frame["placements"].items():
