@@ -140,6 +140,14 @@ class ShmEcho:
         _await_seq(mm, reply, self.seq, self.to_client)
         return mm[reply + 64:reply + 64 + _LEN.unpack_from(mm, reply + 8)[0]]
 
+    def close(self) -> None:
+        """Stop the server; release the map and the eventfds."""
+        self.proc.kill()
+        self.proc.join(5)
+        self.map.close()
+        os.close(self.to_server)
+        os.close(self.to_client)
+
 
 def _read_frame(sock: socket.socket) -> None:
     buf = sock.recv(1 << 16)
@@ -228,7 +236,6 @@ def _run(rounds: int, out: dict, layouts_to_measure: dict) -> dict:
             socks[key].connect(path)
             servers.append(proc)
         shm = ShmEcho(ctx)
-        servers.append(shm.proc)
         client = connect_sync(coord.socket, hash_algorithm=CONFIG.hash_algorithm,
                               hash_seed=CONFIG.hash_seed)
         raw, _ = open_wire_sync(coord.socket, make_hello(
@@ -263,7 +270,7 @@ def _run(rounds: int, out: dict, layouts_to_measure: dict) -> dict:
             layouts = {}
             for where, (mine, theirs) in layouts_to_measure.items():
                 os.sched_setaffinity(0, mine)
-                for pid in (coord.proc.pid, *(proc.pid for proc in servers)):
+                for pid in (coord.proc.pid, shm.proc.pid, *(proc.pid for proc in servers)):
                     os.sched_setaffinity(pid, theirs)
                 row = {"frame_bytes": len(frame), "client_cpus": sorted(mine),
                        "server_cpus": sorted(theirs)}
@@ -291,6 +298,7 @@ def _run(rounds: int, out: dict, layouts_to_measure: dict) -> dict:
         raw.close()
         for sock in socks.values():
             sock.close()
+        shm.close()
         for proc in servers:
             proc.kill()
             proc.join(5)
