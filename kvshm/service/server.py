@@ -240,7 +240,9 @@ class Coordinator:
             self.adoption.notes.append(
                 f"{found['sessions']} session(s) may resume within {resume_grace:g}s, "
                 f"holding {found['requests']} request(s); freed "
-                f"{found['freed_without_session']} request(s) of sessions without a record")
+                f"{found['freed_without_session']} request(s) of sessions without a record "
+                f"or ended ({found['ended']} session(s) ended while the last coordinator "
+                f"went down)")
             first_id = self.executor.lifecycle.max_session_id() + 1
         self.fingerprint = hash_fingerprint(self.config.hash_algorithm, self.config.hash_seed)
         self.generation = self.mgr.segment.get("generation")
