@@ -10,13 +10,22 @@
 # With no arguments the vLLM environments install in the background, one
 # after the other, while every other test runs (the installs wait on the
 # network and the disk, the tests on the CPUs), then tests/test_vllm.py and
-# tests/test_vllm_032.py run on them: a first run takes minutes less.  KVSHM_STRESS_EXAMPLES=N lengthens the randomized
-# invariant tests (default: a bounded run that suits CI).
+# tests/test_vllm_032.py run on them: a first run takes minutes less.  The
+# other tests run in two parts: those not marked `serial` on one pytest-xdist
+# process per CPU (at most 4; KVSHM_TEST_PROCESSES=N sets it), then the
+# `serial` ones alone (pyproject.toml says what the mark is for).
+# KVSHM_STRESS_EXAMPLES=N lengthens the randomized invariant tests (default:
+# a bounded run that suits CI).
 set -euo pipefail
 KVSHM_EXTRAS=test
 source "$(dirname "${BASH_SOURCE[0]}")/_venv.sh"
 cd "$REPO"
 export KVSHM_REQUIRE_VLLM=1
+# The subprocesses the tests start (coordinators, workers, CLIs: hundreds)
+# import kvshm from this tree; where PYTHONDONTWRITEBYTECODE is set, each
+# would compile it again (0.2 s of CPU a process here, about 12% of a
+# subprocess-heavy test's CPU time).  The bytecode goes to __pycache__/.
+unset PYTHONDONTWRITEBYTECODE
 
 # pytest's exit status, with 5 (nothing collected) made a failure.
 run_pytest() {
@@ -45,8 +54,10 @@ log032=$(mktemp "${TMPDIR:-/tmp}/kvshm-vllm-032-env.XXXXXX")
  nice -n 15 ./scripts/vllm_env.sh 0.32.0 > "$log032" 2>&1) &
 installer=$!
 trap 'kill "$installer" 2>/dev/null || true; rm -f "$log" "$log032"' EXIT
+processes=${KVSHM_TEST_PROCESSES:-$(( $(nproc) < 4 ? $(nproc) : 4 ))}
 status=0
-run_pytest "${VLLM_TESTS[@]/#/--ignore=}" || status=$?
+run_pytest -n "$processes" -m "not serial" "${VLLM_TESTS[@]/#/--ignore=}" || status=$?
+run_pytest -m serial "${VLLM_TESTS[@]/#/--ignore=}" || status=$?
 if ! wait "$installer"; then
   echo "the vLLM environments did not install:" >&2
   tail -n 40 "$log" "$log032" >&2
@@ -56,6 +67,7 @@ KVSHM_VLLM_PYTHON=$(tail -n 1 "$log")
 KVSHM_VLLM_032_PYTHON=$(tail -n 1 "$log032")
 export KVSHM_VLLM_PYTHON KVSHM_VLLM_032_PYTHON
 vllm_status=0
-run_pytest "${VLLM_TESTS[@]}" || vllm_status=$?
+run_pytest -n "$processes" -m "not serial" "${VLLM_TESTS[@]}" || vllm_status=$?
+run_pytest -m serial "${VLLM_TESTS[@]}" || vllm_status=$?
 [ "$status" -ne 0 ] && exit "$status"
 exit "$vllm_status"

@@ -13,8 +13,11 @@ import time
 from pathlib import Path
 
 import psutil
+import pytest
 
 from kvshm.pool.segment import SHM_DIR, segment_info
+
+pytestmark = pytest.mark.serial   # a benchmark; its leftovers are read off /dev/shm
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "scripts" / "bench_service.py"

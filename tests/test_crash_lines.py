@@ -248,10 +248,17 @@ def _replies_by_session(replies: list) -> dict[int, list[bytes]]:
     return out
 
 
-@pytest.mark.parametrize("kind", sorted(CONFIGS))
-def test_a_crash_at_any_line_of_a_frame_leaves_an_adoptable_pool(kind):
+# Each config's cases in PARTS tests, every PARTS-th case each: a part of a
+# minute at most, so that the test processes of ./scripts/test.sh share them.
+PARTS = 4
+
+
+@pytest.mark.parametrize("kind,part", [(k, i) for k in sorted(CONFIGS) for i in range(PARTS)],
+                         ids=[f"{k}-{i + 1}of{PARTS}" for k in sorted(CONFIGS)
+                              for i in range(PARTS)])
+def test_a_crash_at_any_line_of_a_frame_leaves_an_adoptable_pool(kind, part):
     cfg = CONFIGS[kind]
-    cases = _cases(kind)
+    cases = _cases(kind)[part::PARTS]
     failures = []
     for frame, event in cases:
         name = f"kvshm-test-{secrets.token_hex(5)}"
@@ -266,7 +273,8 @@ def test_a_crash_at_any_line_of_a_frame_leaves_an_adoptable_pool(kind):
             for n in (name, f"{name}-kv"):
                 if segment_info(n) is not None:
                     remove_segment(n, force=True)
-    print(f"\n{kind}: {len(cases)} crashes over {len(_frames())} frames")
+    print(f"\n{kind}, part {part + 1} of {PARTS}: {len(cases)} crashes over "
+          f"{len(_frames())} frames")
     assert not failures, f"{len(failures)} of {len(cases)} crashes:\n" + "\n".join(failures[:20])
 
 

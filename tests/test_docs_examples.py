@@ -64,6 +64,8 @@ import pytest
 from helpers import kvshm_segments, leftovers
 from kvshm.pool.segment import remove_segment
 
+pytestmark = pytest.mark.serial   # each block's leftovers are read off /dev/shm
+
 REPO = Path(__file__).resolve().parent.parent
 SLOW = os.environ.get("KVSHM_SLOW_EXAMPLES") == "1"
 BLOCK_TIMEOUT = 180

@@ -20,6 +20,8 @@ from kvshm.replay import events_trace, load_events, load_trace, trace_pool_confi
 from kvshm.service.events import EventPublisher, EventSubscriber, KVEventsConfig
 from kvshm.service.process import CoordinatorProcess
 
+pytestmark = pytest.mark.serial   # a refused serve must leave /dev/shm as it found it
+
 pytest.importorskip("zmq")
 
 DATA = Path(__file__).parent / "data" / "conformance"

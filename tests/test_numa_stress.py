@@ -19,6 +19,9 @@ import pytest
 from helpers import descendants_when, kill_all, kvshm_segments, leftovers
 from kvshm.workers.topology import discover
 
+# pins its clients to CPUs and times a soak; leftovers are read off /dev/shm
+pytestmark = pytest.mark.serial
+
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "scripts" / "numa_stress.py"
 SINGLE_NODE = len(discover()) == 1

@@ -22,6 +22,9 @@ from helpers import descendants_when, kill_all, kvshm_segments, leftovers
 from kvshm.config import preset_config
 from kvshm.service.process import CoordinatorProcess
 
+# pins its workers to CPUs; a run's leftovers are read off /dev/shm
+pytestmark = pytest.mark.serial
+
 RUN = [sys.executable, "-m", "kvshm", "run"]
 # The shared run: 12 requests in CI, however long a slow or loaded machine
 # takes to serve them; KVSHM_RUN_SECONDS=300 (with KVSHM_RUN_WORKERS=4) makes

@@ -15,6 +15,8 @@ from helpers import make_config, tokens
 from kvshm.service.process import CoordinatorProcess
 from kvshm.service.sync_client import connect_sync
 
+pytestmark = pytest.mark.serial   # the live view is read at timed refreshes
+
 CFG = make_config(num_blocks=64, max_num_seqs=16)
 KVSHM = [sys.executable, "-m", "kvshm"]
 

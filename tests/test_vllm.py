@@ -114,6 +114,7 @@ def outputs(report: dict) -> dict[str, tuple[list[int], int]]:
     return {r["id"]: (r["token_ids"], r["num_cached_tokens"]) for r in report["requests"]}
 
 
+@pytest.mark.serial   # its engines' segments must be gone from /dev/shm
 def test_embedded_pool_generates_what_vllm_s_own_manager_does(model_dir, tmp_path, release):
     # 16 requests over two shared prefixes, two exact duplicates, and a
     # 24-block pool: the engine preempts (a context of 512 tokens fits it).
@@ -197,18 +198,45 @@ def stored(report: dict) -> list[tuple[list[int], int | None]]:
 
 def test_engines_share_the_pool_the_prefix_cache_and_the_kv_bytes(model_dir, tmp_path, pool,
                                                                    release):
+    a_wl, b_wl = prefix_workloads(n_b=10)
+    # Four engines start together (most of an engine's time is its start);
+    # B generates once A is done, C once the arena is scrambled (below).
+    go_b, go_c = tmp_path / "go-b", tmp_path / "go-c"
+    procs = [start_engine(model_dir, b_wl, tmp_path, "alone", pool=None, release=release),
+             start_engine(model_dir, a_wl, tmp_path, "a", pool=str(pool.socket),
+                          release=release, extra=("--kv-events", f"ipc://{tmp_path}/a.events")),
+             start_engine(model_dir, b_wl, tmp_path, "b", pool=str(pool.socket),
+                          release=release, extra=("--kv-events", f"ipc://{tmp_path}/b.events",
+                                                  "--go-file", str(go_b))),
+             start_engine(model_dir, b_wl, tmp_path, "c", pool=str(pool.socket),  # B's again
+                          release=release, extra=("--go-file", str(go_c)))]
+    try:
+        a = finish(procs[1])
+        go_b.touch()
+        b = finish(procs[2])
+        alone = finish(procs[0])
+        _engines_shared_the_prefix(a, b, alone, pool, release)
+        go_c.touch()
+        c = finish(procs[3])
+    finally:
+        for proc in procs:   # (after a failure: none is left waiting for its turn)
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+    assert [r["num_cached_tokens"] for r in c["requests"]] == [6 * BLOCK] * 10
+    changed = [r["id"] for r, own in zip(c["requests"], alone["requests"])
+               if r["token_ids"] != own["token_ids"]]
+    assert len(changed) >= 8, changed
+
+
+def _engines_shared_the_prefix(a: dict, b: dict, alone: dict, pool, release: str) -> None:
+    """The checks of the test above between B's run and C's: A's and B's
+    events and hits, and A's last prefix block scrambled in the arena."""
     import numpy as np
 
     from kvshm.pool.arena import KVArena, arena_name
     from kvshm.core.state import FLAG_CACHED
     from kvshm.pool.segment import PoolSegment
-    a_wl, b_wl = prefix_workloads(n_b=10)
-    alone = start_engine(model_dir, b_wl, tmp_path, "alone", pool=None, release=release)
-    a = run_engine(model_dir, a_wl, tmp_path, "a", pool=str(pool.socket), release=release,
-                   extra=("--kv-events", f"ipc://{tmp_path}/a.events"))
-    b = run_engine(model_dir, b_wl, tmp_path, "b", pool=str(pool.socket), release=release,
-                   extra=("--kv-events", f"ipc://{tmp_path}/b.events"))
-    alone = finish(alone)
     assert a["manager"] == b["manager"] == MANAGER[release]
     # Each engine publishes the events of its own calls (TakeEvents): A
     # stored the prefix; B's first block past it has A's last as parent.
@@ -250,12 +278,6 @@ def test_engines_share_the_pool_the_prefix_cache_and_the_kv_bytes(model_dir, tmp
     finally:
         arena.close()
         seg.close()
-    c = run_engine(model_dir, b_wl, tmp_path, "c", pool=str(pool.socket),  # B's again
-                   release=release)
-    assert [r["num_cached_tokens"] for r in c["requests"]] == [6 * BLOCK] * 10
-    changed = [r["id"] for r, own in zip(c["requests"], alone["requests"])
-               if r["token_ids"] != own["token_ids"]]
-    assert len(changed) >= 8, changed
 
 
 def test_an_engine_alone_on_a_pool_gets_vllm_s_hits(model_dir, tmp_path, pool, release):
@@ -382,6 +404,7 @@ def readme_blocks(heading: str) -> list[tuple[str, str]]:
     return re.findall(r"```(\w+)\n(.*?)```", section, re.S)
 
 
+@pytest.mark.serial   # its segments must be gone from /dev/shm
 def test_the_readme_s_vllm_commands_run_as_written(tmp_path):
     """The section's engine.py and shell block, run from a directory that
     looks like the repository (scripts, the vLLM environment)."""
