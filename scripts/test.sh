@@ -8,9 +8,9 @@
 #   ./scripts/test.sh tests/test_x.py -k name    # extra arguments go to pytest
 #
 # With no arguments the vLLM environments install in the background, one
-# after the other, while every other test runs (the installs wait on the
-# network and the disk, the tests on the CPUs), then tests/test_vllm.py and
-# tests/test_vllm_032.py run on them: a first run takes minutes less.  The
+# after the other, while every other test runs (niced once the serial tests
+# start), then tests/test_vllm.py and tests/test_vllm_032.py run on them: a
+# first run takes minutes less.  The
 # other tests run in two parts: those not marked `serial` on one pytest-xdist
 # process per CPU (at most 4; KVSHM_TEST_PROCESSES=N sets it), then the
 # `serial` ones alone (pyproject.toml says what the mark is for).
@@ -49,14 +49,26 @@ fi
 
 log=$(mktemp "${TMPDIR:-/tmp}/kvshm-vllm-env.XXXXXX")
 log032=$(mktemp "${TMPDIR:-/tmp}/kvshm-vllm-032-env.XXXXXX")
-# Niced: the tests' timing (deadlines, grace periods) gets the CPUs first.
-(nice -n 15 ./scripts/vllm_env.sh > "$log" 2>&1 &&
- nice -n 15 ./scripts/vllm_env.sh 0.32.0 > "$log032" 2>&1) &
+(./scripts/vllm_env.sh > "$log" 2>&1 && ./scripts/vllm_env.sh 0.32.0 > "$log032" 2>&1) &
 installer=$!
+
+# The installs' processes, and those they start from then on, at nice 15.
+nice_installs() {
+  local pids=("$installer") i=0 child
+  while [ "$i" -lt "${#pids[@]}" ]; do
+    for child in $(ps -o pid= --ppid "${pids[$i]}" 2>/dev/null); do pids+=("$child"); done
+    i=$((i + 1))
+  done
+  renice -n 15 -p "${pids[@]}" > /dev/null 2>&1 || true
+}
 trap 'kill "$installer" 2>/dev/null || true; rm -f "$log" "$log032"' EXIT
 processes=${KVSHM_TEST_PROCESSES:-$(( $(nproc) < 4 ? $(nproc) : 4 ))}
 status=0
 run_pytest -n "$processes" -m "not serial" "${VLLM_TESTS[@]/#/--ignore=}" || status=$?
+# The installs share the CPUs with the tests above (they are what the vLLM
+# tests wait for: 5 minutes on a slow VM when niced throughout), but not
+# with the serial tests' timed phases.
+nice_installs
 run_pytest -m serial "${VLLM_TESTS[@]/#/--ignore=}" || status=$?
 if ! wait "$installer"; then
   echo "the vLLM environments did not install:" >&2

@@ -114,21 +114,21 @@ def outputs(report: dict) -> dict[str, tuple[list[int], int]]:
     return {r["id"]: (r["token_ids"], r["num_cached_tokens"]) for r in report["requests"]}
 
 
-@pytest.mark.serial   # its engines' segments must be gone from /dev/shm
 def test_embedded_pool_generates_what_vllm_s_own_manager_does(model_dir, tmp_path, release):
     # 16 requests over two shared prefixes, two exact duplicates, and a
     # 24-block pool: the engine preempts (a context of 512 tokens fits it).
+    from kvshm.vllm.binding import embedded_pool_name
     workload = workload_json(in_phases(shared_prefix(), 2))
-    before = kvshm_segments()
     args = ("--num-blocks", "24", "--max-model-len", "512")
     # Both publish their KV events (one hash seed: the same block hashes).
     seed = {"PYTHONHASHSEED": "0"}
     own = start_engine(model_dir, workload, tmp_path, "own", pool=None, env=seed,
                        release=release,
                        extra=(*args, "--kv-events", f"ipc://{tmp_path}/own.events"))
-    emb = finish(start_engine(model_dir, workload, tmp_path, "embedded", pool="embedded",
-                              env=seed, release=release,
-                              extra=(*args, "--kv-events", f"ipc://{tmp_path}/emb.events")))
+    emb_proc = start_engine(model_dir, workload, tmp_path, "embedded", pool="embedded",
+                            env=seed, release=release,
+                            extra=(*args, "--kv-events", f"ipc://{tmp_path}/emb.events"))
+    emb = finish(emb_proc)
     own = finish(own)
     assert own["manager"] == "vllm.v1.core.kv_cache_manager.KVCacheManager"
     assert emb["manager"] == MANAGER[release]
@@ -145,7 +145,8 @@ def test_embedded_pool_generates_what_vllm_s_own_manager_does(model_dir, tmp_pat
     assert emb["kv_event_seqs"] == own["kv_event_seqs"] == list(range(len(own["kv_event_seqs"])))
     # Distinct outputs: the weights make generation depend on the context.
     assert len({tuple(t) for t, _ in outputs(own).values()}) >= 14
-    assert kvshm_segments() == before   # the embedded segment went with the engine
+    # The embedded segment went with the engine.
+    assert embedded_pool_name(emb_proc.pid) not in kvshm_segments()
 
 
 # -- shared pools ---------------------------------------------------------------------

@@ -28,6 +28,11 @@ from kvshm.vllm.release import vllm_release
 log = logging.getLogger("kvshm.vllm")
 
 EMBEDDED = "embedded"
+
+
+def embedded_pool_name(pid: int) -> str:
+    """The segment of engine process `pid`'s embedded pool (gone with it)."""
+    return f"kvshm-vllm-{pid}"
 # The seed an embedded pool (and an engine that set none) hashes with: it
 # becomes PYTHONHASHSEED, which must be an integer.
 DEFAULT_SEED = "0"
@@ -65,7 +70,7 @@ class EmbeddedBackend:
     """kvshm's core in this process; vLLM's requests go in as they are."""
 
     def __init__(self, config: PoolConfig) -> None:
-        self.manager = m = KVCacheManager(config, name=f"kvshm-vllm-{os.getpid()}")
+        self.manager = m = KVCacheManager(config, name=embedded_pool_name(os.getpid()))
         self.num_blocks = config.num_blocks
         self.block_hash = m.block_pool.block_hash
         self.allocate_slots = m.allocate_slots
