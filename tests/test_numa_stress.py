@@ -7,6 +7,7 @@ one-node host; bad arguments; Ctrl-C.  Also the script's own arithmetic
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -16,7 +17,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from helpers import descendants_when, kill_all, kvshm_segments, leftovers
+from helpers import cmdline, descendants_when, kill_all, kvshm_segments, leftovers
+from kvshm.pool.segment import remove_segment
 from kvshm.workers.topology import discover
 
 # pins its clients to CPUs and times a soak; leftovers are read off /dev/shm
@@ -29,8 +31,35 @@ NODE_KEYS = {"node", "cpus", "clients", "ops_per_s", "p50_us", "p99_us", "p999_u
 
 
 def stress(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True,
-                          text=True, timeout=timeout, cwd=REPO)
+    """Run the script to its end.  If it has not ended after `timeout` s, it
+    prints its Python stacks (faulthandler, on SIGABRT; its processes get the
+    signal too) and the test fails with them and its processes' command
+    lines: a hang once seen on a loaded CI machine left nothing to go on."""
+    before = kvshm_segments()
+    proc = subprocess.Popen([sys.executable, str(SCRIPT), *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=REPO,
+                            env={**os.environ, "PYTHONFAULTHANDLER": "1"})
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        children = psutil.Process(proc.pid).children(recursive=True)
+        who = [cmdline(c) for c in children]
+        proc.send_signal(signal.SIGABRT)   # its stack where it waits (the children's
+        for child in children:             # go to their own stderr, or nowhere)
+            try:
+                child.send_signal(signal.SIGABRT)
+            except psutil.Error:
+                pass
+        try:
+            stdout, stderr = proc.communicate(timeout=30)
+        finally:
+            kill_all(proc, children)
+            for name in leftovers(before):   # the aborted coordinator's pool
+                remove_segment(name, force=True)
+        pytest.fail(f"numa_stress {' '.join(args)} did not end within {timeout:g} s; "
+                    f"it and its processes {who} printed:\n{stderr[-12000:]}\n"
+                    f"{stdout[-3000:]}")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
 
 
 def alive(procs: list[psutil.Process]) -> list[psutil.Process]:
