@@ -10,10 +10,10 @@
 # With no arguments the vLLM environments install in the background, one
 # after the other, while every other test runs (niced once the serial tests
 # start), then tests/test_vllm.py and tests/test_vllm_032.py run on them: a
-# first run takes minutes less.  The
-# other tests run in two parts: those not marked `serial` on one pytest-xdist
-# process per CPU (at most 4; KVSHM_TEST_PROCESSES=N sets it), then the
-# `serial` ones alone (pyproject.toml says what the mark is for).
+# first run takes minutes less.  Each suite runs in two parts: the tests not
+# marked `serial` on one pytest-xdist process per CPU (at most 4;
+# KVSHM_TEST_PROCESSES=N sets it, 0 runs them in pytest's own process), then
+# the `serial` ones alone (pyproject.toml says what the mark is for).
 # KVSHM_STRESS_EXAMPLES=N lengthens the randomized invariant tests (default:
 # a bounded run that suits CI).
 set -euo pipefail
