@@ -33,6 +33,8 @@ EMBEDDED = "embedded"
 def embedded_pool_name(pid: int) -> str:
     """The segment of engine process `pid`'s embedded pool (gone with it)."""
     return f"kvshm-vllm-{pid}"
+
+
 # The seed an embedded pool (and an engine that set none) hashes with: it
 # becomes PYTHONHASHSEED, which must be an integer.
 DEFAULT_SEED = "0"
