@@ -167,7 +167,7 @@ def _run_case(spec: CrashSpec | None, body) -> tuple[list, bool]:
         # The grace a restarted coordinator gives a session to resume is
         # long: no case waits for it.  A client reconnects within ~50 ms, but
         # a loaded CI machine has delayed it past 3 s; and a session whose
-        # end the crash cut short is marked ended, so the restart ends it at
+        # end the crash cut short has no record left, so the restart ends it at
         # once (a case would time out below if it waited for the grace).
         with CoordinatorProcess(CFG, name=name, env=env,
                                 extra_args=("--resume-grace", "60")) as proc:

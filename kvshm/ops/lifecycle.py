@@ -56,8 +56,12 @@ class SessionLifecycle:
         if mgr.segment.closed:
             return
         self.ex.metrics.set("sessions_open", len(self.ex.owners))
+        # The record goes first, outside the frame: a rollback cannot bring
+        # the client back, so a restart that this frame's crash cut short
+        # frees the requests as those of a session without a record, at once.
         if owner.record is not None:
-            self.ex.sessions.mark_ended(owner.record)
+            self.ex.sessions.release(owner.record)
+            owner.record = None
         mgr.begin_frame()
         start = self.ex.tenants.begin(owner.tenant, owner.mbase)
         for rid in owner.requests:
@@ -65,43 +69,35 @@ class SessionLifecycle:
             mgr.free(rid)
         self.ex.tenants.end(owner.mbase, start)
         owner.requests.clear()
-        if owner.record is not None:
-            self.ex.sessions.release(owner.record)
-            owner.record = None
         mgr.commit_frame()
 
     # -- restarts ------------------------------------------------------------------------
     def adopt(self) -> dict[str, int]:
         """After a restart: the sessions that may resume, each holding its
         requests as placeholders; requests of sessions without a record are
-        freed, and so are those of sessions whose end a crash cut short
-        (marked ended: their clients are gone).  Returns counts for the log."""
+        freed.  Returns counts for the log."""
         mgr = self.ex.mgr
-        sessions = self.ex.sessions
-        records = {r.session_id: r for r in sessions.records()}
+        records = {r.session_id: r for r in self.ex.sessions.records()}
         for r in records.values():
-            sessions.take(r.slot)
+            self.ex.sessions.take(r.slot)
         held: dict[int, list[str]] = {}
         table = mgr.table
         for rid, slot in table.slot_of.items():
             held.setdefault(table.owner(slot), []).append(rid)
         orphaned = 0
-        ended = [sid for sid, r in records.items() if r.ended]
         mgr.begin_frame()
         for sid, rids in held.items():
-            if sid not in records or sid in ended:
+            if sid not in records:
                 for rid in rids:
                     mgr.free(rid)
                 orphaned += len(rids)
-        for sid in ended:
-            sessions.release(records.pop(sid).slot)
         mgr.commit_frame()
         self.unresumed = {sid: (rec, held.get(sid, [])) for sid, rec in records.items()}
         by_tenant: dict[bytes, list[str]] = {}
         for rec, rids in self.unresumed.values():
             by_tenant.setdefault(rec.tenant, []).extend(rids)
         self.ex.tenants.rebuild(by_tenant)
-        return {"sessions": len(records), "ended": len(ended),
+        return {"sessions": len(records),
                 "requests": sum(len(rids) for _, rids in self.unresumed.values()),
                 "freed_without_session": orphaned}
 

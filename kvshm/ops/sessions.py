@@ -25,7 +25,7 @@ cut-off frame's) are dropped when the record is read back.
 
 Record words (int64):
 
-    0 session id (0: free)    1 last applied seq    2 peer pid    3 flags (FLAG_*)
+    0 session id (0: free)    1 last applied seq    2 peer pid    3 flags
     4 NUMA node               5-8 token digest      9-10 tenant digest
     11-42 REPLIES_KEPT entries: seq (0: none), offset << 32 | length
 """
@@ -44,10 +44,6 @@ from kvshm.core.state import (REPLIES_KEPT, REPLY_RING_BYTES, SESSION_LAST_SEQ, 
     SESSION_WORDS)
 
 FLAG_ADMIN = 1
-# The session's connection is gone: it ends (set before its end's frame, so
-# a restart cut short by a crash ends it too instead of waiting for a resume
-# that cannot come; `SessionTable.mark_ended`).
-FLAG_ENDED = 2
 # Seconds a restarted coordinator keeps the requests of sessions that have
 # not resumed yet (`kvshm serve --resume-grace`).
 DEFAULT_RESUME_GRACE = 30.0
@@ -74,7 +70,6 @@ class SessionRecord:
     node: int
     token: bytes
     tenant: bytes
-    ended: bool = False
 
 
 class SessionTable:
@@ -125,8 +120,7 @@ class SessionTable:
                     s, w[base + _ID], w[base + SESSION_LAST_SEQ], w[base + _PID],
                     bool(w[base + _FLAGS] & FLAG_ADMIN), w[base + _NODE],
                     array("q", w[base + _TOKEN:base + _TOKEN + 4]).tobytes(),
-                    array("q", w[base + _TENANT:base + _TENANT + 2]).tobytes(),
-                    bool(w[base + _FLAGS] & FLAG_ENDED)))
+                    array("q", w[base + _TENANT:base + _TENANT + 2]).tobytes()))
         return out
 
     def allocate(self, session_id: int, token: str, tenant: str, *, admin: bool,
@@ -153,12 +147,6 @@ class SessionTable:
         """Keep `slot` (a record read back by `records()`) in use."""
         if slot in self._free:
             self._free.remove(slot)
-
-    def mark_ended(self, slot: int) -> None:
-        """The session of `slot` ends: its client is gone.  Not journaled: a
-        rollback cannot bring the connection back, so a restart that finds
-        the mark ends the session at once (`SessionLifecycle.adopt`)."""
-        self._words[slot * SESSION_WORDS + _FLAGS] |= FLAG_ENDED
 
     def release(self, slot: int) -> None:
         """Free a record (its session ended for good)."""

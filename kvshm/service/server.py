@@ -239,8 +239,8 @@ class Coordinator:
             found = self.executor.lifecycle.adopt()
             self.adoption.notes.append(
                 f"{found['sessions']} session(s) may resume within {resume_grace:g}s, "
-                f"holding {found['requests']} request(s); freed {found['freed_without_session']} "
-                f"request(s) of sessions without a record or ended ({found['ended']} ended)")
+                f"holding {found['requests']} request(s); freed "
+                f"{found['freed_without_session']} request(s) of sessions without a record")
             first_id = self.executor.lifecycle.max_session_id() + 1
         self.fingerprint = hash_fingerprint(self.config.hash_algorithm, self.config.hash_seed)
         self.generation = self.mgr.segment.get("generation")
