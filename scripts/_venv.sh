@@ -20,6 +20,15 @@ pick_python() {
   return 1
 }
 
+# An editable install of kvshm into $VENV.  It writes kvshm.egg-info/ and
+# build/ in the repository, so two installs at once (test.sh installs both
+# vLLM environments together) take turns: flock on pyproject.toml, a file
+# every checkout has.
+install_kvshm() {
+  flock "$REPO/pyproject.toml" \
+    "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e "$1"
+}
+
 if [ ! -x "$VENV/bin/python" ]; then
   PY=$(pick_python)
   echo "creating virtual environment $VENV ($("$PY" --version))" >&2
@@ -35,6 +44,6 @@ if [ "$have" != "$want" ] && ! { [ -z "$EXTRAS" ] && [ "${have% extras=*}" = "$s
   spec="$REPO"
   [ -n "$EXTRAS" ] && spec="$REPO[$EXTRAS]"
   echo "installing kvshm${EXTRAS:+[$EXTRAS]} into $VENV" >&2
-  "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e "$spec"
+  install_kvshm "$spec"
   echo "$want" > "$stamp"
 fi

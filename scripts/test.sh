@@ -7,8 +7,8 @@
 #   ./scripts/test.sh                 # everything
 #   ./scripts/test.sh tests/test_x.py -k name    # extra arguments go to pytest
 #
-# With no arguments the vLLM environments install in the background, one
-# after the other, while every other test runs (niced once the serial tests
+# With no arguments the vLLM environments install in the background, both
+# at once, while every other test runs (niced once the serial tests
 # start), then tests/test_vllm.py and tests/test_vllm_032.py run on them: a
 # first run takes minutes less.  Each suite runs in two parts: the tests not
 # marked `serial` on one pytest-xdist process per CPU (at most 4;
@@ -49,19 +49,29 @@ fi
 
 log=$(mktemp "${TMPDIR:-/tmp}/kvshm-vllm-env.XXXXXX")
 log032=$(mktemp "${TMPDIR:-/tmp}/kvshm-vllm-032-env.XXXXXX")
-(./scripts/vllm_env.sh > "$log" 2>&1 && ./scripts/vllm_env.sh 0.32.0 > "$log032" 2>&1) &
+# Both at once: each is mostly pip on one CPU or waiting on the network,
+# and one after the other the second kept the vLLM tests waiting for minutes.
+(./scripts/vllm_env.sh > "$log" 2>&1 & first=$!
+ ./scripts/vllm_env.sh 0.32.0 > "$log032" 2>&1 & second=$!
+ ok=0; wait "$first" || ok=1; wait "$second" || ok=1; exit "$ok") &
 installer=$!
 
-# The installs' processes, and those they start from then on, at nice 15.
-nice_installs() {
+# The installs' processes: the background job and all it has started.
+install_pids() {
   local pids=("$installer") i=0 child
   while [ "$i" -lt "${#pids[@]}" ]; do
     for child in $(ps -o pid= --ppid "${pids[$i]}" 2>/dev/null); do pids+=("$child"); done
     i=$((i + 1))
   done
-  renice -n 15 -p "${pids[@]}" > /dev/null 2>&1 || true
+  echo "${pids[@]}"
 }
-trap 'kill "$installer" 2>/dev/null || true; rm -f "$log" "$log032"' EXIT
+# At nice 15, with those they start from then on.
+nice_installs() {
+  # shellcheck disable=SC2046
+  renice -n 15 -p $(install_pids) > /dev/null 2>&1 || true
+}
+# shellcheck disable=SC2046
+trap 'kill $(install_pids) 2>/dev/null || true; rm -f "$log" "$log032"' EXIT
 processes=${KVSHM_TEST_PROCESSES:-$(( $(nproc) < 4 ? $(nproc) : 4 ))}
 status=0
 run_pytest -n "$processes" -m "not serial" "${VLLM_TESTS[@]/#/--ignore=}" || status=$?

@@ -82,7 +82,7 @@ EOF
 )
   "${pip[@]}" "${reqs[@]}"
   # vLLM's requirements may move packages kvshm pinned: reinstall it last.
-  "${pip[@]}" -e "$REPO[$KVSHM_EXTRAS]"
+  install_kvshm "$REPO[$KVSHM_EXTRAS]"
   # From elsewhere than the repository, so that only the install can supply them.
   (cd / && "$VENV/bin/python" -c "import vllm, torch, kvshm.vllm, kvshm.workers") >/dev/null
   echo "$want" > "$stamp"
