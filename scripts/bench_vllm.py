@@ -27,6 +27,13 @@ Workloads, routed round robin:
 own `generate()` call): the plugin's cost per scheduler step and per
 request, with no batching to hide it.
 
+`--rag-order staggered` gives each engine the same rag (or unique)
+requests with its documents in another order (engine e of N starts at
+document e * 6 / N), so the engines reach a document at different times
+instead of together: one at a time, the lockstep list cannot save wall
+time with any pool (the engine that does not compute a document waits for
+it), a staggered one can.  Its files end in `-staggered`.
+
 `--rate R` serves the same requests open loop instead of in waves: a
 seeded Poisson stream of R requests a second over all engines, in the
 waves' order (chat: turn by turn), each added to its engine at its time
@@ -103,14 +110,30 @@ def streams(engines: int, conversations: int, turns: int, system_prompts: int,
 
 
 def rag_streams(engines: int, shared: bool, seed: int, vocab: int,
-                rate: float = 0.0) -> list[dict]:
+                rate: float = 0.0, order: str = "lockstep") -> list[dict]:
     """One workload per engine: RAG requests (kvshm.workload.items.rag),
     request i served by engine i % N, all in one wave (a burst), or with a
-    `rate` arriving open loop in that order (`arrive`)."""
-    items = list(rag(RagSpec(seed=seed, vocab=vocab, shared=shared)))
+    `rate` arriving open loop, the engines taking turns (`arrive`).
+
+    `order`: "lockstep" serves the requests in the list's order, so every
+    engine reaches a document when the others do; "staggered" gives each
+    engine the same requests, its documents in an order rotated by
+    e * num_docs / N (engine 1 of 2 starts at the middle document), so the
+    engines reach a document at different times, as readers of different
+    documents would."""
+    spec = RagSpec(seed=seed, vocab=vocab, shared=shared)
+    lists: list[list] = [[] for _ in range(engines)]
+    for i, it in enumerate(rag(spec)):   # (document by document)
+        e = i % engines
+        place = (i // spec.questions - e * spec.num_docs // engines) % spec.num_docs
+        lists[e].append((place if order == "staggered" else 0, it))
+    # (sorted is stable: within a document, the questions keep their order)
+    lists = [[it for _, it in sorted(mine, key=lambda pair: pair[0])] for mine in lists]
     if rate:
-        return arrive([(i % engines, it) for i, it in enumerate(items)], engines, rate, seed)
-    return [workload_json([items[e::engines]]) for e in range(engines)]
+        turns = max(len(mine) for mine in lists)
+        return arrive([(e, lists[e][k]) for k in range(turns) for e in range(engines)
+                       if k < len(lists[e])], engines, rate, seed)
+    return [workload_json([mine]) for mine in lists]
 
 
 def arrive(routed: list, engines: int, rate: float, seed: int) -> list[dict]:
@@ -258,6 +281,10 @@ def main(argv=None) -> int:
     ap.add_argument("--rate", type=float, default=0.0,
                     help="requests a second over all engines, arriving open loop (a seeded "
                     "Poisson stream, the same in both modes); 0 (the default): in waves")
+    ap.add_argument("--rag-order", choices=("lockstep", "staggered"), default="lockstep",
+                    help="rag and unique: every engine reaches a document when the others "
+                    "do (lockstep, the default), or each engine walks the documents from "
+                    "another one (staggered)")
     ap.add_argument("--engines", type=int, default=2)
     ap.add_argument("--model", choices=("tiny", "small"), default="small",
                     help="the Llama to write (config and seeded weights)")
@@ -301,7 +328,7 @@ def main(argv=None) -> int:
                            args.system_len, args.seed, vocab, args.rate)
         else:
             work = rag_streams(args.engines, args.workload == "rag", args.seed, vocab,
-                               args.rate)
+                               args.rate, args.rag_order)
         if args.sequential:
             work = one_at_a_time(work)
         config = model_pool_config(model, kv_memory=args.kv_memory, block_size=BLOCK,
@@ -309,6 +336,7 @@ def main(argv=None) -> int:
                                    ).replace(vllm_version=release)
         result = {"vllm_version": release, "workload": args.workload,
                   "sequential": args.sequential, "rate": args.rate,
+                  "rag_order": args.rag_order,
                   "engines": args.engines, "model": args.model, "dtype": args.dtype,
                   "requests": sum(len(ph) for wl in work for ph in wl["phases"]),
                   "pool_blocks": config.num_blocks, "plan_notes": cpu_plan.notes}
@@ -339,6 +367,7 @@ def main(argv=None) -> int:
           f"engines {result['extra_hit_tokens_from_sharing']}; same tokens in both modes: "
           f"{result['same_tokens']}")
     stem = (f"vllm-{args.workload}{'-sequential' if args.sequential else ''}"
+            f"{'-staggered' if args.rag_order == 'staggered' else ''}"
             f"{f'-rate{args.rate:g}' if args.rate else ''}")
     (out / f"{stem}.json").write_text(json.dumps(result, indent=1))
     wrote = [out / f"{stem}.json"]

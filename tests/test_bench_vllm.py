@@ -46,6 +46,24 @@ def test_rag_at_a_rate_is_one_open_loop_phase_per_engine_in_list_order(bench_vll
     assert paced == bench_vllm.rag_streams(2, True, 1, 500, rate=4.0)
 
 
+def test_a_staggered_rag_list_gives_each_engine_its_requests_from_another_document(bench_vllm):
+    lockstep = bench_vllm.rag_streams(2, True, 1, 500)
+    staggered = bench_vllm.rag_streams(2, True, 1, 500, order="staggered")
+    ids = [[r["id"] for r in wl["phases"][0]] for wl in staggered]
+    # the same requests on each engine, the same prompts ...
+    assert [sorted(e) for e in ids] == [sorted(r["id"] for r in wl["phases"][0])
+                                        for wl in lockstep]
+    by_id = {r["id"]: r for r in _requests(lockstep)}
+    assert all(r == by_id[r["id"]] for r in _requests(staggered))
+    # ... engine 0 from the first document, engine 1 from the fourth (of 6),
+    # a document's questions in their order
+    assert ids[0] == [f"d{d}-q{q}" for d in range(6) for q in (0, 2, 4)]
+    assert ids[1] == [f"d{(d + 3) % 6}-q{q}" for d in range(6) for q in (1, 3, 5)]
+    paced = bench_vllm.rag_streams(2, True, 1, 500, rate=4.0, order="staggered")
+    order = [r["id"] for r in sorted(_requests(paced), key=lambda r: r["at"])]
+    assert order[:4] == ["d0-q0", "d3-q1", "d0-q2", "d3-q3"]
+
+
 def test_chat_at_a_rate_arrives_turn_by_turn_on_the_waves_engines(bench_vllm):
     waves = bench_vllm.streams(2, 6, 3, 2, 40, 1, 500)
     paced = bench_vllm.streams(2, 6, 3, 2, 40, 1, 500, rate=8.0)
@@ -71,6 +89,7 @@ def test_workload_json_gives_each_request_its_arrival():
     (["--rate", "nan"], "--rate must be a finite number >= 0, got nan"),
     (["--rate", "inf"], "--rate must be a finite number >= 0, got inf"),
     (["--rate", "2", "--sequential"], "--rate and --sequential exclude each other"),
+    (["--rag-order", "shuffled"], "argument --rag-order: invalid choice: 'shuffled'"),
 ])
 def test_bad_arguments_are_refused_before_anything_starts(argv, message, tmp_path):
     proc = subprocess.run([sys.executable, str(SCRIPTS / "bench_vllm.py"), *argv,
