@@ -85,6 +85,7 @@ if ! wait "$installer"; then
   tail -n 40 "$log" "$log032" >&2
   exit 1
 fi
+grep -h "^installed vLLM" "$log" "$log032" >&2 || true   # (nothing when reused)
 KVSHM_VLLM_PYTHON=$(tail -n 1 "$log")
 KVSHM_VLLM_032_PYTHON=$(tail -n 1 "$log032")
 export KVSHM_VLLM_PYTHON KVSHM_VLLM_032_PYTHON

