@@ -206,6 +206,10 @@ def test_compare_shared_and_isolated(tmp_path):
     proc = run("--compare", "--duration", "4", "--grace", "2", "--json", str(out), *LIGHT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "shared vs isolated" in proc.stdout
+    # the shared pool's line, then one line per isolated pool naming its worker
+    assert re.search(r"^  pool after run    0 requests, ", proc.stdout, re.M)
+    for i in range(2):
+        assert re.search(rf"^  worker {i}'s pool +0 requests, ", proc.stdout, re.M)
     shared, isolated = results(out)
     assert (shared["mode"], isolated["mode"]) == ("shared", "isolated")
     assert len(shared["pools"]) == 1 and len(isolated["pools"]) == 2

@@ -435,12 +435,14 @@ def summary(res: RunResult, profile: dict | None = None,
             f"{t.requests_lost:,} lost, {t.recomputed_tokens:,} tokens recomputed; "
             f"stall per restart p50 {percentile(stalls, 50) or 0:,} ms, max "
             f"{stalls[-1] if stalls else 0:,} ms (kill -> workers resumed)")
-    for pool in res.pools:
+    for i, pool in enumerate(res.pools):
+        # (several pools: the isolated run's, pool i serving worker i)
+        label = "pool after run" if len(res.pools) == 1 else f"worker {i}'s pool"
         if "error" in pool:
-            out.append(f"  pool after run    UNAVAILABLE: {pool['error']}")
+            out.append(f"  {label:<18}UNAVAILABLE: {pool['error']}")
             continue
         out.append(
-            f"  pool after run    {pool['num_requests']} requests, {pool['num_free_blocks']:,} "
+            f"  {label:<18}{pool['num_requests']} requests, {pool['num_free_blocks']:,} "
             f"of {pool['num_blocks'] - 1:,} blocks free ({pool['num_cached_blocks']:,} "
             f"cached), segment check {'clean' if pool['check_clean'] else 'FAILED: '}"
             + "; ".join(pool["problems"]))
