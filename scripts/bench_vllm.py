@@ -27,6 +27,12 @@ Workloads, routed round robin:
 own `generate()` call): the plugin's cost per scheduler step and per
 request, with no batching to hide it.
 
+`--rounds N` runs both modes N times, the first mode alternating, so
+that a drift of the machine's speed during a run weighs on both modes
+alike: each mode's figures are medians over the rounds, its requests (and
+the TTFT plot) round 1's, and the ratios printed last the median of the
+rounds' own ratios.
+
 `--rag-order staggered` gives each engine the same rag (or unique)
 requests with its documents in another order (engine e of N starts at
 document e * 6 / N), so the engines reach a document at different times
@@ -66,6 +72,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -265,6 +272,63 @@ def plot(result: dict, path: Path) -> bool:
     return True
 
 
+RATIOS = ("ttft_p50_ms", "ttft_p99_ms", "tokens_per_s", "generate_s")
+MEDIANS = ("wall_s", "tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "generate_s",
+           "engine_cpu_s", "steps", "hit_tokens", "hit_rate")
+
+
+def compare(runs: dict, first: str) -> dict:
+    """One round: both modes' results, which ran first, shared/isolated
+    ratios, and whether every request generated the same tokens in both."""
+    iso, sh = runs["isolated"]["per_request"], runs["shared"]["per_request"]
+    differing = sorted(k for k in iso if iso[k]["tokens"] != sh[k]["tokens"])
+    return {"first": first, "isolated": runs["isolated"], "shared": runs["shared"],
+            "ratios": {k: runs["shared"][k] / runs["isolated"][k] for k in RATIOS},
+            "same_tokens": not differing, "differing_requests": differing,
+            "extra_hit_tokens_from_sharing": sum(max(0, sh[k]["cached"] - iso[k]["cached"])
+                                                 for k in iso)}
+
+
+def ratio_line(ratios: dict) -> str:
+    return (f"TTFT p50 {ratios['ttft_p50_ms']:.2f}x, tokens/s {ratios['tokens_per_s']:.2f}x, "
+            f"generating {ratios['generate_s']:.2f}x")
+
+
+def print_round(rnd: dict) -> None:
+    for mode in ("isolated", "shared"):
+        r = rnd[mode]
+        print(f"{mode:>9}: TTFT p50 {r['ttft_p50_ms']:7.1f} ms  p99 {r['ttft_p99_ms']:7.1f} ms  "
+              f"{r['tokens_per_s']:7.1f} tokens/s  hit rate {100 * r['hit_rate']:5.1f}%  "
+              f"wall {r['wall_s']:.2f} s  generating {r['generate_s']:.2f} s "
+              f"(engines' CPU {r['engine_cpu_s']:.2f} s, {r['steps']} steps)")
+    c = rnd["shared"]["coordinator"]
+    print(f"coordinator: CPU {c['cpu_s']:.2f} s, {c['frames']} frames "
+          f"({c['frames_per_step']:.2f} per step), ops {c['ops']}")
+    print(f"shared/isolated: {ratio_line(rnd['ratios'])}; extra hit tokens from other "
+          f"engines {rnd['extra_hit_tokens_from_sharing']}; same tokens in both modes: "
+          f"{rnd['same_tokens']}")
+
+
+def summarize(rounds: list[dict]) -> dict:
+    """The JSON's figures over the rounds: each mode's as in round 1 (its
+    requests, engines and coordinator counters) with MEDIANS replaced by
+    their medians over the rounds; ratios the median of the rounds' ratios."""
+    out = {"rounds": [{k: v for k, v in rnd.items() if k not in ("isolated", "shared")}
+                      for rnd in rounds]}
+    for mode in ("isolated", "shared"):
+        out[mode] = dict(rounds[0][mode])
+        for k in MEDIANS:
+            out[mode][k] = statistics.median(rnd[mode][k] for rnd in rounds)
+        for i, rnd in enumerate(out["rounds"]):
+            rnd[mode] = {k: rounds[i][mode][k] for k in MEDIANS}
+    out["ratios"] = {k: statistics.median(rnd["ratios"][k] for rnd in rounds) for k in RATIOS}
+    out["same_tokens"] = all(rnd["same_tokens"] for rnd in rounds)
+    out["differing_requests"] = sorted({k for rnd in rounds for k in rnd["differing_requests"]})
+    out["extra_hit_tokens_from_sharing"] = statistics.median(
+        rnd["extra_hit_tokens_from_sharing"] for rnd in rounds)
+    return out
+
+
 def _size(text: str) -> int:
     """A --kv-memory value in bytes (argparse reports a bad one)."""
     try:
@@ -300,9 +364,15 @@ def main(argv=None) -> int:
     ap.add_argument("--kv-memory", type=_size, default="512M",
                     help="KV memory budget of the shared pool, all engines' (e.g. 512M, 1G), "
                     "as kvshm serve's and kvshm run's --kv-memory")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run both modes this many times, the first mode alternating "
+                    "(isolated first in round 1, shared first in round 2, ...); figures are "
+                    "medians over the rounds, ratios the median of the rounds' ratios")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--out", default=str(RESULTS))
     args = ap.parse_args(argv)
+    if args.rounds < 1:
+        ap.error(f"--rounds must be >= 1, got {args.rounds}")
     if args.rate < 0 or args.rate != args.rate or args.rate == float("inf"):
         ap.error(f"--rate must be a finite number >= 0, got {args.rate}")
     if args.rate and args.sequential:
@@ -342,30 +412,28 @@ def main(argv=None) -> int:
                   "pool_blocks": config.num_blocks, "plan_notes": cpu_plan.notes}
         if args.workload == "chat":
             result.update(conversations=args.conversations, turns=args.turns)
-        result["isolated"] = run_mode("isolated", args, model, work, tmp, cpu_plan, None,
-                                      config.num_blocks // args.engines)
-        with CoordinatorProcess(config) as coord:
-            result["shared"] = run_mode("shared", args, model, work, tmp, cpu_plan, coord, 0)
-    iso, sh = result["isolated"]["per_request"], result["shared"]["per_request"]
-    result["same_tokens"] = all(iso[k]["tokens"] == sh[k]["tokens"] for k in iso)
-    result["differing_requests"] = sorted(k for k in iso if iso[k]["tokens"] != sh[k]["tokens"])
-    result["extra_hit_tokens_from_sharing"] = sum(
-        max(0, sh[k]["cached"] - iso[k]["cached"]) for k in iso)
-    for mode in ("isolated", "shared"):
-        r = result[mode]
-        print(f"{mode:>9}: TTFT p50 {r['ttft_p50_ms']:7.1f} ms  p99 {r['ttft_p99_ms']:7.1f} ms  "
-              f"{r['tokens_per_s']:7.1f} tokens/s  hit rate {100 * r['hit_rate']:5.1f}%  "
-              f"wall {r['wall_s']:.2f} s  generating {r['generate_s']:.2f} s "
-              f"(engines' CPU {r['engine_cpu_s']:.2f} s, {r['steps']} steps)")
-    c = result["shared"]["coordinator"]
-    print(f"coordinator: CPU {c['cpu_s']:.2f} s, {c['frames']} frames "
-          f"({c['frames_per_step']:.2f} per step), ops {c['ops']}")
-    iso_r, sh_r = result["isolated"], result["shared"]
-    print(f"shared/isolated: TTFT p50 {sh_r['ttft_p50_ms'] / iso_r['ttft_p50_ms']:.2f}x, "
-          f"tokens/s {sh_r['tokens_per_s'] / iso_r['tokens_per_s']:.2f}x, generating "
-          f"{sh_r['generate_s'] / iso_r['generate_s']:.2f}x; extra hit tokens from other "
-          f"engines {result['extra_hit_tokens_from_sharing']}; same tokens in both modes: "
-          f"{result['same_tokens']}")
+        rounds = []
+        for r in range(args.rounds):
+            order = ("isolated", "shared") if r % 2 == 0 else ("shared", "isolated")
+            runs = {}
+            for mode in order:
+                where = tmp / f"round{r + 1}"
+                where.mkdir(exist_ok=True)
+                if mode == "isolated":
+                    runs[mode] = run_mode(mode, args, model, work, where, cpu_plan, None,
+                                          config.num_blocks // args.engines)
+                else:
+                    with CoordinatorProcess(config) as coord:
+                        runs[mode] = run_mode(mode, args, model, work, where, cpu_plan,
+                                              coord, 0)
+            rounds.append(compare(runs, order[0]))
+            if args.rounds > 1:
+                print(f"round {r + 1}/{args.rounds} ({order[0]} first):")
+            print_round(rounds[-1])
+    result.update(summarize(rounds))
+    if args.rounds > 1:
+        print(f"median of {args.rounds} rounds' ratios: {ratio_line(result['ratios'])}; "
+              f"same tokens in both modes in every round: {result['same_tokens']}")
     stem = (f"vllm-{args.workload}{'-sequential' if args.sequential else ''}"
             f"{'-staggered' if args.rag_order == 'staggered' else ''}"
             f"{f'-rate{args.rate:g}' if args.rate else ''}")

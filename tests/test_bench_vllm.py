@@ -64,6 +64,35 @@ def test_a_staggered_rag_list_gives_each_engine_its_requests_from_another_docume
     assert order[:4] == ["d0-q0", "d3-q1", "d0-q2", "d3-q3"]
 
 
+def _mode_run(scale: float, tokens: dict) -> dict:
+    return {"wall_s": 2.0 * scale, "tokens_per_s": 100 / scale, "ttft_p50_ms": 10 * scale,
+            "ttft_p99_ms": 30 * scale, "generate_s": 1.9 * scale, "engine_cpu_s": 3.0,
+            "steps": 40, "hit_tokens": 64, "hit_rate": 0.5, "engines": ["e0", "e1"],
+            "per_request": {k: {"tokens": t, "cached": 32, "ttft_s": 0.01}
+                            for k, t in tokens.items()}}
+
+
+def test_rounds_give_medians_and_the_median_of_their_ratios(bench_vllm):
+    same = {"a": [1, 2], "b": [3]}
+    rounds = [bench_vllm.compare({"isolated": _mode_run(1.0, same),
+                                  "shared": _mode_run(s, same)}, first)
+              for s, first in ((0.5, "isolated"), (0.9, "shared"), (0.8, "isolated"))]
+    assert [r["first"] for r in rounds] == ["isolated", "shared", "isolated"]
+    assert rounds[1]["ratios"]["generate_s"] == pytest.approx(0.9)
+    out = bench_vllm.summarize(rounds)
+    assert out["ratios"]["generate_s"] == pytest.approx(0.8)       # median of 0.5, 0.9, 0.8
+    assert out["ratios"]["tokens_per_s"] == pytest.approx(1.25)    # median of 2, 1.11, 1.25
+    assert out["shared"]["generate_s"] == pytest.approx(1.9 * 0.8)
+    assert out["shared"]["per_request"] == rounds[0]["shared"]["per_request"]
+    assert [r["shared"]["wall_s"] for r in out["rounds"]] == pytest.approx([1.0, 1.8, 1.6])
+    assert out["same_tokens"] and out["differing_requests"] == []
+    # one round whose tokens differ makes the whole run differ, naming the request
+    other = bench_vllm.compare({"isolated": _mode_run(1.0, same),
+                                "shared": _mode_run(1.0, {"a": [1, 2], "b": [4]})}, "shared")
+    out = bench_vllm.summarize(rounds + [other])
+    assert not out["same_tokens"] and out["differing_requests"] == ["b"]
+
+
 def test_chat_at_a_rate_arrives_turn_by_turn_on_the_waves_engines(bench_vllm):
     waves = bench_vllm.streams(2, 6, 3, 2, 40, 1, 500)
     paced = bench_vllm.streams(2, 6, 3, 2, 40, 1, 500, rate=8.0)
@@ -90,6 +119,7 @@ def test_workload_json_gives_each_request_its_arrival():
     (["--rate", "inf"], "--rate must be a finite number >= 0, got inf"),
     (["--rate", "2", "--sequential"], "--rate and --sequential exclude each other"),
     (["--rag-order", "shuffled"], "argument --rag-order: invalid choice: 'shuffled'"),
+    (["--rounds", "0"], "--rounds must be >= 1, got 0"),
 ])
 def test_bad_arguments_are_refused_before_anything_starts(argv, message, tmp_path):
     proc = subprocess.run([sys.executable, str(SCRIPTS / "bench_vllm.py"), *argv,
