@@ -125,7 +125,7 @@ def rag_streams(engines: int, shared: bool, seed: int, vocab: int,
     `order`: "lockstep" serves the requests in the list's order, so every
     engine reaches a document when the others do; "staggered" gives each
     engine the same requests, its documents in an order rotated by
-    e * num_docs / N (engine 1 of 2 starts at the middle document), so the
+    e * num_docs / N (engine 1 of 2 starts at the fourth of six), so the
     engines reach a document at different times, as readers of different
     documents would."""
     spec = RagSpec(seed=seed, vocab=vocab, shared=shared)
