@@ -133,7 +133,7 @@ class OpExecutor:
         return h
 
     # -- execution -----------------------------------------------------------------------
-    def execute_frame(self, owner: Owner, msg) -> bytearray:
+    def execute_frame(self, owner: Owner, msg) -> bytes:
         """Run frame `msg` for `owner` as one journaled frame that records
         its seq and reply; returns the encoded reply frame."""
         mgr = self.mgr

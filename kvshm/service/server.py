@@ -363,7 +363,7 @@ class Coordinator:
                 m.set("events_dropped", pub.dropped)
 
     # -- frames --------------------------------------------------------------------------------
-    def handle(self, s: Session, body: bytes) -> bytes | bytearray | None:
+    def handle(self, s: Session, body: bytes) -> bytes | None:
         """The encoded reply frame to one frame body from session `s`
         (None: the session was refused and its transport closed)."""
         try:
