@@ -416,9 +416,9 @@ def main(argv=None) -> int:
         for r in range(args.rounds):
             order = ("isolated", "shared") if r % 2 == 0 else ("shared", "isolated")
             runs = {}
+            where = tmp / f"round{r + 1}"   # (each round's engine files apart)
+            where.mkdir()
             for mode in order:
-                where = tmp / f"round{r + 1}"
-                where.mkdir(exist_ok=True)
                 if mode == "isolated":
                     runs[mode] = run_mode(mode, args, model, work, where, cpu_plan, None,
                                           config.num_blocks // args.engines)
