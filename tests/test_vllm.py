@@ -3,8 +3,9 @@
 The engines run in the vLLM environments that ./scripts/vllm_env.sh makes
 (.venv-vllm for vLLM 0.14.0, or $KVSHM_VLLM_PYTHON; .venv-vllm-0.32.0 for
 0.32.0, or $KVSHM_VLLM_032_PYTHON), one process per engine, through
-`python -m kvshm.vllm.engine`; the engine tests run on both releases (the
-`release` fixture).  Without an environment its tests skip, unless
+`python -m kvshm.vllm.engine`, forked from a server that has imported vLLM
+once (vllm_engines.py; KVSHM_VLLM_FORK=0 starts fresh interpreters); the
+engine tests run on both releases (the `release` fixture).  Without an environment its tests skip, unless
 KVSHM_REQUIRE_VLLM=1 (the test command sets it): then they fail.
 """
 
@@ -19,18 +20,14 @@ from pathlib import Path
 import pytest
 
 from helpers import kvshm_segments
+from vllm_engines import ENGINE_TIMEOUT, PYTHONS, finish, run_engine, run_python, start_engine
 from kvshm.vllm.engine import in_phases, workload_json
 from kvshm.workload.items import shared_prefix
 from kvshm.vllm.model import write_tiny_model
 from kvshm.vllm.release import vllm_cache_root
 
 REPO = Path(__file__).resolve().parent.parent
-PYTHONS = {
-    "0.14.0": Path(os.environ.get("KVSHM_VLLM_PYTHON", REPO / ".venv-vllm" / "bin" / "python")),
-    "0.32.0": Path(os.environ.get("KVSHM_VLLM_032_PYTHON",
-                                  REPO / ".venv-vllm-0.32.0" / "bin" / "python"))}
 VLLM_PYTHON = PYTHONS["0.14.0"]
-ENGINE_TIMEOUT = 300
 
 if not VLLM_PYTHON.exists():
     if os.environ.get("KVSHM_REQUIRE_VLLM") == "1":
@@ -55,50 +52,6 @@ def release(request) -> str:
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
     return write_tiny_model(tmp_path_factory.mktemp("model") / "tiny-llama")
-
-
-def start_engine(model: Path, workload: dict, tmp: Path, name: str, *, pool: str | None,
-                 extra: tuple[str, ...] = (), env: dict | None = None,
-                 release: str = "0.14.0"):
-    """Start one engine process of vLLM `release` on `workload`; finish it
-    with `finish()`."""
-    wl = tmp / f"{name}.workload.json"
-    wl.write_text(json.dumps(workload))
-    out = tmp / f"{name}.json"
-    e = {k: v for k, v in os.environ.items() if k not in ("KVSHM_POOL", "PYTHONHASHSEED")}
-    e["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    e["VLLM_CPU_KVCACHE_SPACE"] = "1"
-    if pool is not None:
-        e["KVSHM_POOL"] = pool
-    e.update(env or {})
-    proc = subprocess.Popen([str(PYTHONS[release]), "-m", "kvshm.vllm.engine", str(model), str(wl),
-                             "--out", str(out), *extra], env=e, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    proc.report_path = out
-    return proc
-
-
-def finish(proc, check: bool = True):
-    """The engine's report (or, with check=False, the finished process with
-    its `stderr`)."""
-    try:
-        _, proc.stderr_text = proc.communicate(timeout=ENGINE_TIMEOUT)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        _, proc.stderr_text = proc.communicate()
-        raise
-    if not check:
-        return proc
-    assert proc.returncode == 0, proc.stderr_text[-4000:]
-    return json.loads(proc.report_path.read_text())
-
-
-def run_engine(model: Path, workload: dict, tmp: Path, name: str, *, pool: str | None,
-               extra: tuple[str, ...] = (), env: dict | None = None, check: bool = True,
-               release: str = "0.14.0"):
-    """Run one engine process to its end (see `finish`)."""
-    return finish(start_engine(model, workload, tmp, name, pool=pool, extra=extra, env=env,
-                               release=release), check)
 
 
 MANAGER = {"0.14.0": "kvshm.vllm.manager.PoolKVCacheManager",
@@ -442,7 +395,8 @@ def attn(cls, **kw):
     return cls(block_size=16, num_kv_heads=2, head_size=8, dtype=torch.bfloat16, **kw)
 
 out = {"specs": [repr(group_spec(s)) for s in (
-    attn(vi.FullAttentionSpec), attn(vi.MLAAttentionSpec), attn(vi.SinkFullAttentionSpec, sink_len=32),
+    attn(vi.FullAttentionSpec), attn(vi.MLAAttentionSpec),
+    attn(vi.SinkFullAttentionSpec, sink_len=32),
     attn(vi.SlidingWindowSpec, sliding_window=64),
     attn(vi.ChunkedLocalAttentionSpec, attention_chunk_size=128), attn(vi.CrossAttentionSpec),
     vi.MambaSpec(block_size=16, shapes=((2, 3),), dtypes=(torch.float32,)))]}
@@ -468,10 +422,31 @@ print(json.dumps(out))
 '''
 
 
+@pytest.mark.parametrize("release", list(PYTHONS))
+def test_a_forked_interpreter_runs_a_command_line_as_a_fresh_one_would(release, tmp_path,
+                                                                       monkeypatch):
+    """The fork server the engines and scripts of these tests run on
+    (vllm_engines.py): its child gets the command line, environment and
+    directory asked for, and its exit status, output and traceback come
+    back as from a fresh interpreter."""
+    code = ("import os, sys, vllm; print(sys.argv, os.environ.get('X'), os.getcwd(), "
+            "'HOME' in os.environ); sys.stdout.flush(); sys.exit(int(sys.argv[1]))")
+    env = {"X": "x", "PATH": os.environ["PATH"]}
+    monkeypatch.chdir(tmp_path)
+    proc = run_python(release, ["-c", code, "3"], env=env)
+    assert proc.returncode == 3, proc.stderr[-2000:]
+    assert proc.stdout.strip() == f"['-c', '3'] x {tmp_path} False"
+    (tmp_path / "boom.py").write_text("import sys\nprint(sys.argv[1:])\nraise ValueError('boom')\n")
+    proc = run_python(release, ["boom.py", "a"], env=env)
+    assert proc.returncode == 1 and proc.stdout.strip() == "['a']"
+    assert proc.stderr.rstrip().endswith("ValueError: boom") and "Traceback" in proc.stderr
+    proc = run_python(release, ["-c", "import os; os.kill(os.getpid(), 9)"], env=env)
+    assert proc.returncode == -9
+
+
 def test_vllm_specs_and_hashing_refusals_inside_vllm():
     env = {k: v for k, v in os.environ.items() if k not in ("KVSHM_POOL", "PYTHONHASHSEED")}
-    proc = subprocess.run([str(VLLM_PYTHON), "-c", VLLM_SIDE], capture_output=True, text=True,
-                          env=env, timeout=ENGINE_TIMEOUT)
+    proc = run_python("0.14.0", ["-c", VLLM_SIDE], env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["specs"] == [
@@ -496,9 +471,8 @@ def test_kvshm_hashes_fresh_multimodal_requests_as_vllm_does(tmp_path, release):
     from helpers import replay_case
     seed = int.from_bytes(os.urandom(4), "big")
     out = tmp_path / "vectors.json"
-    proc = subprocess.run([str(PYTHONS[release]), str(REPO / "scripts" / "record_vllm_hashes.py"),
-                           str(out), "--seed", str(seed), "--random", "60"],
-                          capture_output=True, text=True, timeout=ENGINE_TIMEOUT)
+    proc = run_python(release, [REPO / "scripts" / "record_vllm_hashes.py", out, "--seed", seed,
+                                "--random", "60"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     cases = json.loads(out.read_text())["cases"]
     assert len(cases) > 200 and {c["vllm_version"] for c in cases} == {release}
@@ -529,8 +503,7 @@ def test_vllm_s_plugin_loader_refuses_an_unsupported_release_in_one_line(release
     env = {k: v for k, v in os.environ.items() if k not in ("KVSHM_POOL", "PYTHONHASHSEED")}
     if pool is not None:
         env["KVSHM_POOL"] = pool
-    proc = subprocess.run([str(VLLM_PYTHON), "-c", PLUGIN_LOAD, release], capture_output=True,
-                          text=True, env=env, timeout=ENGINE_TIMEOUT)
+    proc = run_python("0.14.0", ["-c", PLUGIN_LOAD, release], env=env)
     if ends is not None:
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert proc.stdout.strip().splitlines()[-1].startswith(ends), proc.stdout[-3000:]
@@ -548,11 +521,11 @@ def test_the_trace_recorder_s_0_14_traces_replay_on_kvshm(tmp_path):
     only where that release does."""
     from kvshm.replay import expand_paths, load_trace, replay_trace
     families = ["full16-tiny-chat-s1000", "pd-full16-small-oob-*", "eagle-hyb-*-tiny-chat*",
-                "encdec-enc200-small-sys*", "hyb3-full-sw-mamba-tiny-chat*", "mamba16-specblk1-tiny-chat*",
+                "encdec-enc200-small-sys*", "hyb3-full-sw-mamba-tiny-chat*",
+                "mamba16-specblk1-tiny-chat*",
                 "sink32-tiny-chat*", "dcp2-full16-tiny-chat*", "spec-full16-small-sys*"]
-    proc = subprocess.run([str(VLLM_PYTHON), str(REPO / "scripts" / "record_vllm_traces.py"),
-                           str(tmp_path), "--only", *families],
-                          capture_output=True, text=True, timeout=ENGINE_TIMEOUT)
+    proc = run_python("0.14.0", [REPO / "scripts" / "record_vllm_traces.py", tmp_path, "--only",
+                                 *families])
     assert proc.returncode == 0, proc.stderr[-3000:]
     paths = list(expand_paths([tmp_path]))
     import fnmatch

@@ -16,9 +16,10 @@ from pathlib import Path
 
 import pytest
 
+from vllm_engines import PYTHONS, run_python
+
 REPO = Path(__file__).resolve().parent.parent
-VLLM_PYTHON = Path(os.environ.get("KVSHM_VLLM_032_PYTHON",
-                                  REPO / ".venv-vllm-0.32.0" / "bin" / "python"))
+VLLM_PYTHON = PYTHONS["0.32.0"]
 SET = REPO / "tests" / "data" / "conformance-0.32.0" / "traces"
 EVENTS = SET.parent / "events"
 TIMEOUT = 600
@@ -38,6 +39,8 @@ def env(**extra: str) -> dict[str, str]:
 
 
 def test_the_environment_runs_vllm_0_32():
+    """A fresh interpreter of the environment (not the tests' fork server)
+    imports vLLM, torch and the plugin."""
     proc = subprocess.run([str(VLLM_PYTHON), "-c", "import vllm, torch, kvshm.vllm; "
                            "print(vllm.__version__, torch.__version__)"],
                           capture_output=True, text=True, env=env(), timeout=TIMEOUT)
@@ -53,9 +56,8 @@ def test_the_stored_set_is_what_vllm_0_32_s_own_manager_answers(tmp_path):
     index = json.loads((SET / "index.json").read_text())
     assert index["recorded_from"] == "vllm 0.32.0" and index["format_version"] == 2
     assert len(index["traces"]) == 166 and len(index["skipped"]) == 6   # 0.32 cannot build sink
-    proc = subprocess.run([str(VLLM_PYTHON), str(REPO / "scripts" / "vllm_oracle.py"),
-                           "--events", str(tmp_path), str(SET)],
-                          capture_output=True, text=True, env=env(), timeout=TIMEOUT)
+    proc = run_python("0.32.0", [REPO / "scripts" / "vllm_oracle.py", "--events", tmp_path, SET],
+                      env=env(), timeout=TIMEOUT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stdout.strip().splitlines()[-1] == "vLLM 0.32.0: passed 166/166"
     stored = sorted(p.name for p in EVENTS.glob("*.events.jsonl.gz"))
@@ -107,8 +109,7 @@ def test_the_0_32_manager_refuses_what_kvshm_does_not_reproduce_by_name():
     to zero, a connector's asynchronous loads), or that no engine test has
     run (groups of other block sizes than the hash block), stop at
     start-up, each named, before any pool is opened."""
-    proc = subprocess.run([str(VLLM_PYTHON), "-c", REFUSALS], capture_output=True, text=True,
-                          env=env(), timeout=TIMEOUT)
+    proc = run_python("0.32.0", ["-c", REFUSALS], env=env(), timeout=TIMEOUT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert "re-prefills tokens (num_prefill_lookahead 2)" in out["lookahead"]
