@@ -544,7 +544,8 @@ def step_line(step: dict) -> str:
     nodes = ", ".join(f"node {r['node']} {r['ops_per_s']:,.0f} ops/s p99 {r['p99_us']:,} us"
                       for r in step["rows"])
     return (f"  {step['ops_per_s']:,.0f} ops/s ({nodes}); fairness {step['fairness']:.3f}; "
-            f"coordinator {c['cpu_us_per_op']} us CPU/op, {c['cpu_util']:.0%} of a CPU; "
+            f"coordinator {c['cpu_us_per_op']} us CPU/op ({c['ops_per_frame']} ops a frame, "
+            f"{c['cpu_us_per_frame']} us a frame), {c['cpu_util']:.0%} of a CPU; "
             f"loop lag p99 {step['loop_lag_us']['p99']} us")
 
 

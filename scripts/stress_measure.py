@@ -22,7 +22,7 @@ from pathlib import Path
 
 import psutil
 
-from kvshm.core.metrics import percentile
+from kvshm.core.metrics import global_word, percentile
 from kvshm.pool.numa import mapped_pages
 from kvshm.pool.segment import PoolSegment
 from kvshm.service.process import die_with_parent
@@ -152,6 +152,11 @@ class Sample:
     allocated: int      # the pool's blocks_allocated counter
     evicted: int        # ... and blocks_evicted
     pid: int            # the coordinator process read
+    frames: int = 0     # frames the coordinators executed (the metrics' counter)
+
+
+_FRAMES = global_word("frames")
+_COUNTERS = ("cpu_s", "allocated", "evicted", "frames")   # what Sampler.at interpolates
 
 
 class Sampler:
@@ -188,7 +193,8 @@ class Sampler:
         self._cpu_last = cpu_s
         seg = self.segment
         s = Sample(time.time(), cpu_s, rss, shared if rss else None,
-                   seg.get("blocks_allocated"), seg.get("blocks_evicted"), self.proc.pid)
+                   seg.get("blocks_allocated"), seg.get("blocks_evicted"), self.proc.pid,
+                   seg.metrics[_FRAMES])
         self.samples.append(s)
         return s
 
@@ -219,11 +225,10 @@ class Sampler:
         i = bisect.bisect_left(times, t)
         if i == 0 or i == len(ss):
             s = ss[min(i, len(ss) - 1)]
-            return {"cpu_s": s.cpu_s, "allocated": s.allocated, "evicted": s.evicted}
+            return {k: getattr(s, k) for k in _COUNTERS}
         a, b = ss[i - 1], ss[i]
         f = (t - a.t) / (b.t - a.t) if b.t > a.t else 1.0
-        return {k: getattr(a, k) + f * (getattr(b, k) - getattr(a, k))
-                for k in ("cpu_s", "allocated", "evicted")}
+        return {k: getattr(a, k) + f * (getattr(b, k) - getattr(a, k)) for k in _COUNTERS}
 
     def rss_in(self, t0: float, t1: float) -> list[tuple[float, int, int, int]]:
         """(seconds since t0, RSS, its shared part, pid) of the samples taken
@@ -237,11 +242,16 @@ def coordinator_window(sampler: Sampler, t0: float, t1: float, num_ops: int) -> 
     a, b = sampler.at(t0), sampler.at(t1)
     secs = max(t1 - t0, 1e-9)
     cpu = b["cpu_s"] - a["cpu_s"]
+    frames = b["frames"] - a["frames"]
     rss = [r for _, r, _, _ in sampler.rss_in(t0, t1)]
     return {
         "cpu_s": round(cpu, 3),
         "cpu_util": round(cpu / secs, 3),      # share of one CPU
         "cpu_us_per_op": round(cpu / num_ops * 1e6, 2) if num_ops else None,
+        # The frames (a client's scheduler step, a probe's GetStats) the ops came in.
+        "frames_per_s": round(frames / secs, 1),
+        "ops_per_frame": round(num_ops / frames, 2) if frames > 0 else None,
+        "cpu_us_per_frame": round(cpu / frames * 1e6, 1) if frames > 0 else None,
         "rss_bytes": rss[-1] if rss else None,
         "allocated_per_s": round((b["allocated"] - a["allocated"]) / secs, 1),
         "evicted_per_s": round((b["evicted"] - a["evicted"]) / secs, 1),

@@ -101,8 +101,9 @@ def markdown(full: dict) -> str:
         out += ["**Interrupted**: only the steps that finished are here.", ""]
     out += ["## Totals per step", "",
             "| policy | clients/node | ops/s | step p50 / p99 / p99.9 us | op p50 / p99 us "
-            "| loop lag p99 us | fairness | coord CPU us/op | coord CPU | alloc/s | evict/s |",
-            "|---|---|---|---|---|---|---|---|---|---|---|"]
+            "| loop lag p99 us | fairness | coord CPU us/op | ops/frame | coord CPU "
+            "| alloc/s | evict/s |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for s in full["steps"]:
         c = s["coordinator"]
         out.append(
@@ -110,6 +111,7 @@ def markdown(full: dict) -> str:
             f"{_n(s['p50_us'])} / {_n(s['p99_us'])} / {_n(s['p999_us'])} | "
             f"{_n(s['op_p50_us'])} / {_n(s['op_p99_us'])} | {_n(s['loop_lag_us']['p99'])} | "
             f"{_n(s['fairness'], '.3f')} | {_n(c['cpu_us_per_op'], '.1f')} | "
+            f"{_n(c['ops_per_frame'], '.1f')} | "
             f"{_n(c['cpu_util'], '.0%')} | {_n(c['allocated_per_s'])} | "
             f"{_n(c['evicted_per_s'])} |")
     out += ["", "## Per node", "",

@@ -88,6 +88,10 @@ def test_a_short_ramp_writes_its_figures_and_leaves_nothing(tmp_path):
     for step in doc["steps"]:
         c = step["coordinator"]
         assert c["cpu_us_per_op"] > 0 and c["allocated_per_s"] > 0
+        # A client's step is one frame of several ops (a probe's: one op).
+        assert c["frames_per_s"] > 0 and c["ops_per_frame"] > 1
+        assert c["cpu_us_per_frame"] == pytest.approx(
+            c["cpu_us_per_op"] * c["ops_per_frame"], rel=0.02)
         assert step["ops_per_s"] == pytest.approx(
             sum(r["ops_per_s"] for r in doc["nodes"]
                 if r["clients"] == step["clients_per_node"]), rel=1e-3)
