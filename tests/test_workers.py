@@ -1,116 +1,34 @@
 """The CPU worker's engine in process, against in-process coordinators:
 concurrent engines sharing a pool, detection of corrupted K/V, preemption,
 sliding-window groups, half-precision arenas, refused pools, deadlines and
-the writer stamps of the arena."""
+the writer stamps of the arena.  Waits for prefixes in flight:
+test_worker_waits.py."""
 
 from __future__ import annotations
 
 import asyncio
 import itertools
-import random
 import re
 import time
 
 import numpy as np
 import pytest
 
-from helpers import make_config, until
-from kvshm.core.check import check_segment
-from kvshm.core.errors import SegmentError
 from kvshm.core.specs import FullSpec, KVShape, MambaSpec, SlidingWindowSpec
-from kvshm.service.client import connect
 from kvshm.workers.engine import Engine, UnsupportedModel, check_supported
 from kvshm.workers.engine_types import EngineOptions
 from kvshm.workers.turns import assign
 from kvshm.workload.items import Item, SyntheticSpec, synthetic
+from worker_helpers import (BS, RUN_FOR, assert_no_mismatch, assert_pool_whole, kv_config,
+                            open_worker, toks)
 
-BS = 16
-SHAPE = KVShape(num_layers=2, num_kv_heads=2, head_size=16, dtype="float32")
-RUN_FOR = 60.0   # deadline for finite workloads: they end when their items are done
-
-
-def kv_config(groups=(FullSpec(BS),), num_blocks: int = 256, kv: KVShape = SHAPE, **changes):
-    changes.setdefault("max_model_len", 2048)
-    return make_config(tuple(groups), num_blocks=num_blocks, hash_block_size=BS, kv=kv,
-                       **changes)
-
+__all__ = ["open_worker"]   # the fixture, found by pytest in this module
 
 # A small chat workload: shared system prompts, multi-turn conversations.
 SMALL_SPEC = SyntheticSpec(seed=3, num_system_prompts=2, system_len=(48, 96),
                            share_system=1.0, user_len=(4, 48), user_median=16.0,
                            output_len=(2, 24), output_median=8.0, mean_turns=3.0,
                            max_turns=4, max_len=2048, open_conversations=4)
-
-
-def toks(n: int, seed: int) -> tuple[int, ...]:
-    rng = random.Random(seed)
-    return tuple(rng.randrange(32000) for _ in range(n))
-
-
-class Worker:
-    """A connected client, its mapped arena and an engine over them."""
-
-    def __init__(self, client, arena, engine: Engine) -> None:
-        self.client = client
-        self.arena = arena
-        self.engine = engine
-        self.stats = engine.stats
-
-    async def run(self, items, deadline: float | None = None, **kw):
-        deadline = time.monotonic() + RUN_FOR if deadline is None else deadline
-        return await asyncio.wait_for(self.engine.run(items, deadline, **kw), RUN_FOR + 30)
-
-    async def close(self) -> None:
-        if self.client is None:
-            return
-        self.engine = None        # its numpy views keep the arena mapped
-        try:
-            self.arena.close()
-        except SegmentError:
-            # Views still alive: only after a failure, whose traceback holds
-            # the engine's frames.  The mapping goes with this process.
-            pass
-        finally:
-            await self.client.close()
-            self.client = None
-
-
-@pytest.fixture
-async def open_worker(coordinator):
-    """open_worker(coord, **EngineOptions fields) -> Worker; closed at teardown
-    (before the coordinators stop)."""
-    opened: list[Worker] = []
-
-    async def make(coord, turns=None, index=None, **opts) -> Worker:
-        client = await connect(coord.socket_path)
-        try:
-            arena = client.attach_arena()
-        except BaseException:
-            await client.close()
-            raise
-        w = Worker(client, arena, Engine(client, arena, client.config, EngineOptions(**opts),
-                                         turns=turns, worker=index))
-        opened.append(w)
-        return w
-
-    yield make
-    for w in opened:
-        await w.close()
-
-
-def assert_pool_whole(coord) -> None:
-    """No request left and every block free (cached ones count as free)."""
-    pool = coord.mgr.block_pool
-    assert not coord.executor.requests and len(coord.mgr.table) == 0
-    assert pool.num_free_blocks == coord.config.num_blocks - 1
-    report = check_segment(coord.mgr.segment, pool)
-    assert report.clean, report.problems
-
-
-def assert_no_mismatch(*stats) -> None:
-    for st in stats:
-        assert st.hit_mismatches == 0 and st.decode_mismatches == 0, st.first_error
-        assert st.first_error == ""
 
 
 async def cached_prefix_blocks(client, tokens, rid: str) -> list[int]:
@@ -587,79 +505,3 @@ async def test_a_load_only_engine_sends_the_same_traffic_without_compute(coordin
     assert figures[0] == figures[1]
     with pytest.raises(ValueError, match="load_only computes no K/V"):
         Engine(a.client, a.arena, a.client.config, EngineOptions(load_only=True))
-
-
-# -- block readiness: same-step hits, waits for prefixes in flight ---------------------------------
-async def test_a_same_step_hit_is_computed_after_its_writer(coordinator, open_worker):
-    """Two requests with one prefix admitted in one step: the second hits
-    the first's blocks while they are being computed, as in vLLM, and is
-    computed after it (its checked hits hold the right K/V)."""
-    coord = await coordinator(kv_config())
-    prefix = toks(5 * BS, seed=11)
-    a = await open_worker(coord, token_budget=4096)
-    items = [Item(f"r{i}", prefix + toks(7, seed=20 + i), toks(3, seed=30 + i), f"r{i}", 0)
-             for i in range(2)]
-    await a.run(items)
-    assert_no_mismatch(a.stats)
-    assert a.stats.finished == 2 and a.stats.steps <= 5       # admitted together
-    assert a.stats.hit_tokens == 5 * BS and a.stats.hit_blocks_checked == 5
-    assert_pool_whole(coord)
-
-
-async def _writer_holding_pending_blocks(coord, prompt):
-    """A session that allocated (so cached, pending) `prompt` and never
-    reports it computed."""
-    w = await connect(coord.socket_path)
-    await w.add_request("writer", list(prompt))
-    await w.allocate_slots("writer", len(prompt))
-    return w
-
-
-async def test_a_waiter_whose_writer_dies_computes_the_prefix(coordinator, open_worker):
-    coord = await coordinator(kv_config())
-    prefix = toks(12 * BS, seed=12)
-    writer = await _writer_holding_pending_blocks(coord, prefix + (1,))
-    b = await open_worker(coord, in_flight_deadline=30.0)
-    item = Item("b0", prefix + toks(9, seed=13), toks(2, seed=14), "b0", 0)
-    run = asyncio.create_task(b.run([item]))
-    for _ in range(500):                      # it waits, holding nothing
-        if b.stats.in_flight_waits:
-            break
-        await asyncio.sleep(0.01)
-    assert b.stats.in_flight_waits == 1 and not run.done() and b.stats.finished == 0
-    t0 = time.monotonic()
-    await writer.close()                      # the writer dies: its blocks are uncached
-    await run
-    assert time.monotonic() - t0 < 5.0        # long before its 30 s deadline
-    assert b.stats.finished == 1 and b.stats.hit_tokens == 0
-    assert b.stats.in_flight_timeouts == 0
-    assert_no_mismatch(b.stats)
-    assert_pool_whole(coord)
-
-
-async def test_a_waiter_computes_the_prefix_itself_at_its_deadline(coordinator, open_worker):
-    coord = await coordinator(kv_config())
-    prefix = toks(12 * BS, seed=15)
-    writer = await _writer_holding_pending_blocks(coord, prefix + (1,))   # stalls, alive
-    b = await open_worker(coord, in_flight_deadline=0.3)
-    t0 = time.monotonic()
-    await b.run([Item("b0", prefix + toks(9, seed=16), toks(2, seed=17), "b0", 0)])
-    assert 0.3 <= time.monotonic() - t0 < 10.0
-    assert (b.stats.in_flight_waits, b.stats.in_flight_timeouts) == (1, 1)
-    assert b.stats.finished == 1 and b.stats.hit_tokens == 0   # never hit the pending blocks
-    assert_no_mismatch(b.stats)
-    await writer.close()
-    await until(lambda: not coord.executor.requests)
-    assert_pool_whole(coord)
-
-
-async def test_wait_in_flight_zero_never_waits(coordinator, open_worker):
-    coord = await coordinator(kv_config())
-    prefix = toks(12 * BS, seed=18)
-    writer = await _writer_holding_pending_blocks(coord, prefix + (1,))
-    b = await open_worker(coord, wait_in_flight=0)
-    await b.run([Item("b0", prefix + toks(9, seed=19), toks(2, seed=20), "b0", 0)])
-    assert b.stats.in_flight_waits == 0 and b.stats.finished == 1
-    await writer.close()
-    await until(lambda: not coord.executor.requests)
-    assert_pool_whole(coord)
