@@ -62,7 +62,10 @@ scheduler steps, prefix hit rate (hit tokens / prompt tokens); for the
 shared pool the coordinator's CPU time, frames and ops per step, and the
 extra hit tokens it gave (hits beyond the engine's own cache in the isolated
 run: prefixes another engine computed); checks that every request generated
-the same tokens in both modes.  Writes OUT/vllm-WORKLOAD.json and
+the same tokens in both modes.  Before the runs it prints the best hit rates
+perfect caches would give the workload (`best_hit_rates`: one cache shared
+by the engines, and one per engine), so a run's hit rate says how much a
+cache left on the table.  Writes OUT/vllm-WORKLOAD.json and
 OUT/vllm-WORKLOAD.svg (the TTFT distributions; needs matplotlib), with
 `-sequential` before the suffix for --sequential.
 """
@@ -150,6 +153,44 @@ def arrive(routed: list, engines: int, rate: float, seed: int) -> list[dict]:
     at = dict(zip((it.rid for _, it in routed), poisson_arrivals(len(routed), rate, seed)))
     return [workload_json([[it for e, it in routed if e == engine]], max_tokens=16,
                           arrivals=at) for engine in range(engines)]
+
+
+def best_hit_rates(work: list[dict], block: int) -> dict[str, float]:
+    """The hit rates (hit tokens / prompt tokens) that perfect prefix caches
+    would give `work` (one workload per engine), block by block, nothing
+    evicted: "shared", one cache all engines read, so every distinct block is
+    computed once; "isolated", a cache per engine.  Requests are taken phase
+    by phase, the engines' k-th requests of a phase in turn.  A hit never
+    covers a prompt's last token, and generated tokens are never hit (later
+    prompts do not repeat them).  A run's hit rate at its best hit rate
+    means the cache left nothing to gain: what sharing can still save is
+    bounded by the prefill left to compute."""
+    shared: dict = {}
+    own: list[dict] = [{} for _ in work]
+    hits = {"shared": 0, "isolated": 0}
+    total = 0
+    for k in range(max(len(wl["phases"]) for wl in work)):
+        phases = [wl["phases"][k] if k < len(wl["phases"]) else [] for wl in work]
+        for i in range(max(map(len, phases))):
+            for e, phase in enumerate(phases):
+                if i >= len(phase):
+                    continue
+                prompt = phase[i]["prompt_ids"]
+                total += len(prompt)
+                blocks = [tuple(prompt[b:b + block])
+                          for b in range(0, len(prompt) - block + 1, block)]
+                usable = (len(prompt) - 1) // block
+                for mode, node in (("shared", shared), ("isolated", own[e])):
+                    hit = 0
+                    for key in blocks:   # the cached prefix; past a miss, every node is new
+                        child = node.get(key)
+                        if child is None:
+                            child = node[key] = {}
+                        else:
+                            hit += 1
+                        node = child
+                    hits[mode] += min(hit, usable) * block
+    return {mode: h / total if total else 0.0 for mode, h in hits.items()}
 
 
 def one_at_a_time(work: list[dict]) -> list[dict]:
@@ -412,6 +453,9 @@ def main(argv=None) -> int:
                   "pool_blocks": config.num_blocks, "plan_notes": cpu_plan.notes}
         if args.workload == "chat":
             result.update(conversations=args.conversations, turns=args.turns)
+        result["best_hit_rate"] = best = best_hit_rates(work, BLOCK)
+        print(f"best possible hit rates (perfect caches, nothing evicted): shared "
+              f"{100 * best['shared']:.1f}%, isolated {100 * best['isolated']:.1f}%")
         rounds = []
         for r in range(args.rounds):
             order = ("isolated", "shared") if r % 2 == 0 else ("shared", "isolated")

@@ -64,6 +64,25 @@ def test_a_staggered_rag_list_gives_each_engine_its_requests_from_another_docume
     assert order[:4] == ["d0-q0", "d3-q1", "d0-q2", "d3-q3"]
 
 
+def test_best_hit_rates_count_each_distinct_block_once_per_cache(bench_vllm):
+    def req(rid, prompt):
+        return {"id": rid, "prompt_ids": list(prompt), "max_tokens": 4}
+    doc = list(range(100, 196))                      # 3 blocks of 32
+    work = [{"phases": [[req("a0", doc + [1]), req("a1", doc + [2, 3])]]},
+            {"phases": [[req("b0", doc + [4])], [req("b1", doc)]]}]
+    rates = bench_vllm.best_hit_rates(work, 32)
+    total = 97 + 98 + 97 + 96
+    # one cache: a0 computes the document, the three others hit it (b1's hit
+    # stops a block short: a hit never covers a prompt's last token)
+    assert rates["shared"] == pytest.approx((96 + 96 + 64) / total)
+    # a cache per engine: each engine computes it once
+    assert rates["isolated"] == pytest.approx((96 + 64) / total)
+    assert bench_vllm.best_hit_rates(bench_vllm.rag_streams(2, False, 1, 500), 32) == \
+        {"shared": 0.0, "isolated": 0.0}
+    chat = bench_vllm.best_hit_rates(bench_vllm.streams(2, 16, 4, 4, 512, 1, 500), 32)
+    assert 0 < chat["isolated"] < chat["shared"] < 1
+
+
 def _mode_run(scale: float, tokens: dict) -> dict:
     return {"wall_s": 2.0 * scale, "tokens_per_s": 100 / scale, "ttft_p50_ms": 10 * scale,
             "ttft_p99_ms": 30 * scale, "generate_s": 1.9 * scale, "engine_cpu_s": 3.0,
