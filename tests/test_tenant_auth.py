@@ -30,7 +30,7 @@ from kvshm.service.client_core import InFlight, resume_hello
 from kvshm.service.handshake import make_hello
 from kvshm.service.process import CoordinatorProcess
 from kvshm.service.resume import Reconnect, RequestMirror
-from kvshm.service.server import peer_credentials
+from kvshm.service.tenant_auth import peer_credentials
 from kvshm.service.sync_client import connect_sync
 from kvshm.service.tenant_auth import Peer, TenantAuth, parse_proof, read_token_file
 from kvshm.vllm.binding import PoolBinding

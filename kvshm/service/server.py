@@ -9,7 +9,6 @@ loop is the only writer and every operation (and every batch) is atomic.
 from __future__ import annotations
 
 import asyncio
-import errno
 import hmac
 import itertools
 import logging
@@ -17,7 +16,6 @@ import os
 import secrets
 import socket
 import stat
-import struct
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
@@ -52,11 +50,10 @@ from kvshm.pool.lifecycle import adopt_pool, create_pool
 from kvshm.service.events import EventPublisher, KVEventsConfig
 from kvshm.service.framing import MAX_FRAME_BYTES, FrameReader
 from kvshm.service.handshake import admin_token_path
-from kvshm.service.tenant_auth import Peer, TenantAuth
+from kvshm.service.tenant_auth import Peer, TenantAuth, peer_credentials
 from kvshm.service.process import early_stop_requested
 
 log = logging.getLogger("kvshm.coordinator")
-
 
 
 class Session(asyncio.Protocol):
@@ -481,30 +478,6 @@ def share_socket(path: Path, gid: int) -> None:
     except OSError as e:
         raise InvalidArgument(f"cannot give {e.filename or path} to group {gid}: "
                               f"{e.strerror}") from None
-
-
-SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)   # Linux >= 4.13
-
-
-def peer_credentials(sock: socket.socket) -> Peer:
-    """The pid, uid and groups (effective gid and supplementary ones) of the
-    process at the other end of Unix socket `sock`, as the kernel recorded
-    them when it connected."""
-    pid, uid, gid = struct.unpack("iII", sock.getsockopt(   # (uid_t, gid_t: unsigned)
-        socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("iII")))
-    gids = {gid}
-    size = 64 * 4
-    while size <= 65536 * 4:
-        try:
-            raw = sock.getsockopt(socket.SOL_SOCKET, SO_PEERGROUPS, size)
-        except OSError as e:
-            if e.errno == errno.ERANGE:   # more groups than the buffer holds
-                size *= 4
-                continue
-            break   # no SO_PEERGROUPS here: the effective gid only
-        gids.update(struct.unpack(f"{len(raw) // 4}I", raw[:len(raw) // 4 * 4]))
-        break
-    return Peer(pid, uid, frozenset(gids))
 
 
 def _read_token(path: Path) -> str:

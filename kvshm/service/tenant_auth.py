@@ -28,9 +28,12 @@ and cannot see.
 
 from __future__ import annotations
 
+import errno
 import hmac
 import os
+import socket
 import stat
+import struct
 from pathlib import Path
 
 import msgspec
@@ -167,3 +170,27 @@ class TenantAuth:
         return (f"peer pid {peer.pid} (uid {peer.uid}, gids "
                 f"{sorted(peer.gids) or 'unknown'}, {said}) proves none of "
                 f"{', '.join(p.source for p in proofs)}")
+
+
+SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)   # Linux >= 4.13
+
+
+def peer_credentials(sock: socket.socket) -> Peer:
+    """The pid, uid and groups (effective gid and supplementary ones) of the
+    process at the other end of Unix socket `sock`, as the kernel recorded
+    them when it connected."""
+    pid, uid, gid = struct.unpack("iII", sock.getsockopt(   # (uid_t, gid_t: unsigned)
+        socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("iII")))
+    gids = {gid}
+    size = 64 * 4
+    while size <= 65536 * 4:
+        try:
+            raw = sock.getsockopt(socket.SOL_SOCKET, SO_PEERGROUPS, size)
+        except OSError as e:
+            if e.errno == errno.ERANGE:   # more groups than the buffer holds
+                size *= 4
+                continue
+            break   # no SO_PEERGROUPS here: the effective gid only
+        gids.update(struct.unpack(f"{len(raw) // 4}I", raw[:len(raw) // 4 * 4]))
+        break
+    return Peer(pid, uid, frozenset(gids))
