@@ -332,7 +332,10 @@ async def run_policy(setup: Setup, policy: str, stopper: Stopper, doc: dict) -> 
     soak = None
     hashing = {"hash_algorithm": cfg.hash_algorithm, "hash_seed": cfg.hash_seed}
     # From this thread, which outlives it: PDEATHSIG follows the starting thread.
-    coord = CoordinatorProcess(cfg, new_session=True, with_parent=True)
+    # With several nodes, the arena's pages are placed below (or left to first
+    # touch), so the coordinator must not allocate them at creation.
+    coord = CoordinatorProcess(cfg, new_session=True, with_parent=True,
+                               extra_args=("--no-reserve-arena",) if setup.multi_node else ())
     admin = arena = sampler = probes = None
     try:
         coord.wait_ready()

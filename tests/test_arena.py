@@ -4,6 +4,8 @@ lifecycle with the coordinator, and the Admit operation workers use."""
 from __future__ import annotations
 
 import os
+import shutil
+import signal
 import subprocess
 import sys
 
@@ -15,8 +17,10 @@ from kvshm.core.errors import ConfigError, SegmentError, ShmSpaceError
 from kvshm.core.specs import FullSpec, KVShape, PoolConfig, SlidingWindowSpec
 from kvshm.ops.errors import InvalidArgument, UnknownRequest
 from kvshm.pool.arena import ArenaLayout, KVArena, arena_bytes, arena_name, resolve_dtype
+from kvshm.pool.lifecycle import create_pool
 from kvshm.pool.segment import SHM_DIR, list_segments, remove_segment
 from kvshm.service.client import connect
+from kvshm.service.process import CoordinatorProcess
 
 SHAPE = KVShape(num_layers=2, num_kv_heads=2, head_size=8, dtype="float32")
 
@@ -231,6 +235,71 @@ async def test_coordinator_refuses_an_arena_dev_shm_cannot_hold(coordinator, mon
     with pytest.raises(ShmSpaceError, match=f"needs {needed:,} bytes .* has only {free:,} free"):
         await coordinator(cfg)
     assert set(os.listdir(SHM_DIR)) == before
+
+
+def test_a_new_pool_s_pages_are_allocated_unless_the_arena_is_left_to_first_touch():
+    cfg = kv_config(num_blocks=256)
+    for reserve in (True, False):
+        name = f"kvshm-test-reserve-{reserve}-{os.getpid()}"
+        pool = create_pool(cfg, name, reserve_arena=reserve)
+        try:
+            seg, arena = pool.mgr.segment, pool.arena
+            allocated = {n: os.stat(f"{SHM_DIR}/{n}").st_blocks * 512
+                         for n in (seg.name, arena.name)}
+            assert allocated[seg.name] >= seg.layout.size       # the state: always
+            assert (allocated[arena.name] >= arena.layout.size) is reserve
+        finally:
+            pool.close()
+
+
+@pytest.mark.parametrize("flags,reserved", [((), True), (("--no-reserve-arena",), False)])
+def test_kvshm_serve_allocates_the_arena_unless_told_not_to(flags, reserved):
+    cfg = kv_config(num_blocks=256)
+    with CoordinatorProcess(cfg, extra_args=flags) as proc:   # (ready)
+        size = os.stat(f"{SHM_DIR}/{arena_name(proc.name)}").st_size
+        allocated = os.stat(f"{SHM_DIR}/{arena_name(proc.name)}").st_blocks * 512
+        assert (allocated >= size) is reserved
+        assert os.stat(f"{SHM_DIR}/{proc.name}").st_blocks * 512 >= \
+            os.stat(f"{SHM_DIR}/{proc.name}").st_size               # the state: always
+
+
+_FILL_THEN_WRITE = """
+import os, sys
+import numpy as np
+from kvshm.core.specs import KVShape
+from kvshm.pool.lifecycle import create_pool
+sys.path.insert(0, {tests!r})
+from helpers import make_config
+cfg = make_config(num_blocks=256, kv=KVShape(num_layers=2, num_kv_heads=2, head_size=64,
+                                             dtype="float32"))
+pool = create_pool(cfg, "kvshm-fill", reserve_arena={reserve})
+with open("/dev/shm/filler", "wb", buffering=0) as f:   # another program fills /dev/shm
+    try:
+        while True:
+            f.write(bytes(1 << 16))
+    except OSError:
+        pass
+view = np.frombuffer(pool.arena.buffer, dtype=np.uint8)
+view[len(view) // 2:] = 1      # an engine writes K/V into pages never touched
+del view
+pool.close()
+print("written")
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"),
+                    reason="needs a private /dev/shm (unshare -m, as root)")
+@pytest.mark.parametrize("reserve", [True, False])
+def test_a_dev_shm_filled_after_the_pool_was_made_cannot_kill_a_writer(reserve):
+    code = _FILL_THEN_WRITE.format(tests=os.path.dirname(__file__), reserve=reserve)
+    proc = subprocess.run(
+        ["unshare", "-m", "sh", "-c", 'mount -t tmpfs -o size=16m tmpfs /dev/shm && '
+         'exec "$0" -c "$1"', sys.executable, code],
+        capture_output=True, text=True, timeout=60)
+    if reserve:
+        assert proc.returncode == 0 and "written" in proc.stdout, proc.stderr
+    else:   # the risk --no-reserve-arena takes back: the writer dies of SIGBUS
+        assert proc.returncode == -signal.SIGBUS, (proc.returncode, proc.stderr)
 
 
 async def test_admit_is_lookup_plus_allocate_in_one_step(coordinator):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import secrets
 import shutil
@@ -105,3 +106,58 @@ def test_one_lock_holder_per_segment():
     finally:
         shm.close()
         shm.unlink()
+
+
+def _target(fd: str) -> str:
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:   # (the listing's own descriptor, closed since)
+        return ""
+
+
+def _allocated(name: str) -> int:
+    return os.stat(f"{SHM_DIR}/{name}").st_blocks * 512
+
+
+def test_a_segment_s_pages_are_allocated_when_it_is_made_if_asked():
+    name, sparse = _name(), _name()
+    size = 1 << 20
+    a = create_shm(name, size, reserve=True)
+    b = create_shm(sparse, size)
+    try:
+        assert _allocated(name) >= size        # /dev/shm's space is taken now ...
+        assert _allocated(sparse) < size       # ... or at first touch
+        assert bytes(a.buf[:16]) == bytes(16) and bytes(a.buf[-16:]) == bytes(16)
+    finally:
+        for shm, n in ((a, name), (b, sparse)):
+            shm.close()
+            unlink_shm(n)
+
+
+@pytest.mark.parametrize("err,raised,message", [
+    # /dev/shm filled since the free-space check: the space error, with what is free now
+    (errno.ENOSPC, ShmSpaceError, "needs 65,536 bytes"),
+    (errno.EIO, SegmentError, "cannot create a 65,536-byte segment in /dev/shm: "),
+])
+def test_an_allocation_that_fails_leaves_nothing(monkeypatch, err, raised, message):
+    def refuse(fd, offset, length):
+        raise OSError(err, os.strerror(err))
+    monkeypatch.setattr(os, "posix_fallocate", refuse)
+    before = set(os.listdir(SHM_DIR))
+    name = _name()
+    with pytest.raises(raised, match=message):
+        create_shm(name, 1 << 16, reserve=True)
+    assert set(os.listdir(SHM_DIR)) == before
+    # the descriptor was closed too: no leak of one per refused pool
+    assert not [fd for fd in os.listdir("/proc/self/fd") if name in _target(fd)]
+
+
+def test_a_file_system_that_cannot_allocate_ahead_gives_a_sparse_segment(monkeypatch):
+    def unsupported(fd, offset, length):
+        raise OSError(errno.EOPNOTSUPP, os.strerror(errno.EOPNOTSUPP))
+    monkeypatch.setattr(os, "posix_fallocate", unsupported)
+    name = _name()
+    shm = create_shm(name, 1 << 16, reserve=True)
+    assert _allocated(name) < 1 << 16
+    shm.close()
+    unlink_shm(name)

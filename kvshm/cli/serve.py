@@ -59,6 +59,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the most blocks tenant NAME's sessions may hold, a count or a "
                    "percentage of the pool (repeatable; `=N` is the default tenant); "
                    "beyond it its allocations fail as on a full pool")
+    p.add_argument("--no-reserve-arena", dest="reserve_arena", action="store_false",
+                   help="leave a new KV arena's pages to be allocated at first touch "
+                   "(first-touch NUMA placement) instead of at creation; a /dev/shm "
+                   "filled later then kills the process that touches a new page (SIGBUS)")
     p.add_argument("--metrics-port", type=int, metavar="PORT",
                    help="also serve the pool's Prometheus metrics on PORT (a `kvshm "
                    "metrics` process beside the coordinator; needs kvshm[metrics])")
@@ -128,6 +132,7 @@ def main(args: argparse.Namespace) -> int:
                         allow_other_uids=args.allow_other_uids, fresh=args.fresh,
                         resume_grace=args.resume_grace, kv_events=kv_events,
                         tenant_quotas=quotas, tenant_auth=tenant_auth, group=group,
+                        reserve_arena=args.reserve_arena,
                         ready=ready))
     finally:
         for child in children:   # the exporter beside it

@@ -173,11 +173,15 @@ class KVArena(OwnedMapping):
         return self._shm.buf
 
     @classmethod
-    def create(cls, config: PoolConfig, name: str, *, check_space: bool = True) -> "KVArena":
-        """Create the arena for `config` as /dev/shm/`name`.  Raises
-        SegmentError (bad or taken name, no `kv` shape) and ShmSpaceError."""
+    def create(cls, config: PoolConfig, name: str, *, check_space: bool = True,
+               reserve: bool = True) -> "KVArena":
+        """Create the arena for `config` as /dev/shm/`name`, its pages
+        allocated now unless `reserve` is off (kvshm.pool.shm.reserve_pages).
+        Raises SegmentError (bad or taken name, no `kv` shape) and
+        ShmSpaceError."""
         layout = ArenaLayout(config)
-        shm = create_shm(name, layout.size, what="arena", check_space=check_space)
+        shm = create_shm(name, layout.size, what="arena", check_space=check_space,
+                         reserve=reserve)
         try:
             _write_header(shm, layout)
             return cls(shm, layout, owner=True)

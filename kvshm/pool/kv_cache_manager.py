@@ -27,6 +27,7 @@ class KVCacheManager(KVCacheManagerCore):
             named `name` is created and owned: `close()` unlinks it.
         kv_events, track_ready: as `KVCacheManagerCore` (events for
             `take_events()`; readiness for a pool several engines share).
+        reserve: allocate a new segment's pages now (`PoolSegment.create`).
 
     Raises:
         InvalidArgument: neither a config nor a segment.
@@ -35,10 +36,10 @@ class KVCacheManager(KVCacheManagerCore):
 
     def __init__(self, config: PoolConfig | None = None, *, name: str | None = None,
                  segment: PoolSegment | None = None, kv_events: bool = False,
-                 track_ready: bool = False) -> None:
+                 track_ready: bool = False, reserve: bool = False) -> None:
         adopt = segment is not None
         if segment is None:
             if config is None:
                 raise InvalidArgument("a config or a segment is required")
-            segment = PoolSegment.create(config, name)
+            segment = PoolSegment.create(config, name, reserve=reserve)
         super().__init__(segment, adopt=adopt, kv_events=kv_events, track_ready=track_ready)

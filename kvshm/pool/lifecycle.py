@@ -92,14 +92,17 @@ def _share(pool: OpenPool, group: int | None) -> OpenPool:
     return pool
 
 
-def create_pool(config: PoolConfig, name: str, *, group: int | None = None) -> OpenPool:
+def create_pool(config: PoolConfig, name: str, *, group: int | None = None,
+                reserve_arena: bool = True) -> OpenPool:
     """A new pool named `name` (and its arena when the config has a KV
-    shape); both must fit in /dev/shm.  `group`: both are 0660 to that group
-    (share_with_group), else 0600.  Raises ShmSpaceError, SegmentError."""
+    shape); both must fit in /dev/shm, and their pages are allocated now
+    (the arena's with `reserve_arena`: kvshm.pool.shm.reserve_pages).
+    `group`: both are 0660 to that group (share_with_group), else 0600.
+    Raises ShmSpaceError, SegmentError."""
     # Loaded on use (numpy): `kvshm rm` and `kvshm ls` need no arena mapped.
     from kvshm.pool.arena import KVArena, arena_name
     check_shm_space(pool_bytes(config))
-    mgr = KVCacheManager(config, name=name, track_ready=True)
+    mgr = KVCacheManager(config, name=name, track_ready=True, reserve=True)
     try:
         lock = lock_segment(mgr.segment.name)
     except BaseException:
@@ -108,7 +111,8 @@ def create_pool(config: PoolConfig, name: str, *, group: int | None = None) -> O
     pool = OpenPool(mgr, None, lock)
     if config.kv is not None:
         try:
-            pool.arena = KVArena.create(mgr.config, arena_name(name), check_space=False)
+            pool.arena = KVArena.create(mgr.config, arena_name(name), check_space=False,
+                                        reserve=reserve_arena)
         except BaseException:
             pool.close()
             raise

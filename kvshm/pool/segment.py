@@ -84,14 +84,18 @@ class PoolSegment(OwnedMapping):
 
     # -- lifecycle -------------------------------------------------------------
     @classmethod
-    def create(cls, config: PoolConfig, name: str | None = None) -> "PoolSegment":
-        """Create and initialise a segment for `config`.
+    def create(cls, config: PoolConfig, name: str | None = None, *,
+               reserve: bool = False) -> "PoolSegment":
+        """Create and initialise a segment for `config`, its pages allocated
+        now with `reserve` (kvshm.pool.shm.reserve_pages: a coordinator's
+        pool; an in-process pool touches its pages as it goes, and its 8 MiB
+        of reply rings never).
 
         Raises ShmSpaceError when /dev/shm is too small and SegmentError when
         `name` already exists.
         """
         layout = Layout(config)
-        shm = create_shm(name, layout.size)
+        shm = create_shm(name, layout.size, reserve=reserve)
         seg = cls(shm, layout, owner=True)
         seg._initialise()
         return seg

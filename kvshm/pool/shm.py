@@ -7,6 +7,7 @@ a `Shm`; what their bytes mean is theirs.  No resource tracker: see `Shm`.
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import re
@@ -53,13 +54,23 @@ class Shm:
         self.buf = memoryview(self.mmap)
 
     @classmethod
-    def create(cls, name: str | None, size: int) -> "Shm":
+    def create(cls, name: str | None, size: int, *, reserve: bool = False) -> "Shm":
         """A new object of `size` zero bytes, mode 0600, named `name` (None: a
-        fresh `kvshm-<random>` name).  Raises FileExistsError if it exists."""
+        fresh `kvshm-<random>` name).  With `reserve`, its pages are
+        allocated now (`reserve_pages`).  Raises FileExistsError if it
+        exists, and the OSError of a reservation /dev/shm cannot hold
+        (nothing is left behind)."""
         name = name or f"kvshm-{secrets.token_hex(6)}"
         fd = _posixshmem.shm_open("/" + name, os.O_CREAT | os.O_EXCL | os.O_RDWR, mode=0o600)
         try:
             os.ftruncate(fd, size)
+            if reserve:
+                reserve_pages(fd, size)
+        except BaseException:
+            os.close(fd)
+            _posixshmem.shm_unlink("/" + name)
+            raise
+        try:
             return cls(name, fd)  # closes fd
         except BaseException:
             _posixshmem.shm_unlink("/" + name)
@@ -84,6 +95,27 @@ class Shm:
             unlink_shm(self.name)
         except FileNotFoundError:
             pass
+
+
+def reserve_pages(fd: int, size: int) -> None:
+    """Allocate the first `size` bytes of shared-memory object `fd` now.
+
+    A tmpfs object is sparse: a page gets its memory when it is first
+    touched, and a process that touches one while /dev/shm is full dies of
+    SIGBUS (numpy, torch and the stdlib cannot catch it).  Another program
+    may fill /dev/shm at any time after a pool was created, so a
+    coordinator's segments are allocated whole when it makes them
+    (kvshm.pool.lifecycle.create_pool): then a full /dev/shm is refused at
+    creation (ENOSPC, with nothing left behind) and cannot hurt a pool that
+    exists.  The pages are allocated under the calling
+    process's memory policy (`numactl --interleave=all kvshm serve`
+    spreads them over the NUMA nodes).  Where the file system cannot
+    allocate ahead (EOPNOTSUPP, EINVAL), the object stays sparse."""
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as e:
+        if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+            raise
 
 
 def unlink_shm(name: str) -> None:
@@ -120,20 +152,29 @@ class OwnedMapping:
 
 
 def create_shm(name: str | None, size: int, *, what: str = "segment",
-               check_space: bool = True) -> Shm:
+               check_space: bool = True, reserve: bool = False) -> Shm:
     """A new segment of `size` bytes named `name` (None: a fresh random name)
-    for the pool or the arena.  Raises SegmentError for a bad or taken name
-    and ShmSpaceError (unless `check_space` is off) when /dev/shm is short."""
+    for the pool or the arena, its pages allocated now with `reserve`
+    (`reserve_pages`).  Raises SegmentError for a bad or taken name and
+    ShmSpaceError when /dev/shm is short: checked first unless `check_space`
+    is off, and always when the allocation finds it full (another program
+    may have taken the space since the check)."""
     if name is not None and not valid_name(name):
         raise SegmentError(f"{what} name {name!r}: use 1-200 letters, digits, '.', '_' or '-'")
     if check_space:
         check_shm_space(size)
     try:
-        return Shm.create(name, size)
+        return Shm.create(name, size, reserve=reserve)
     except FileExistsError:
         raise SegmentError(
             f"shared-memory segment {name!r} already exists; a live coordinator "
             f"may own it, or remove a stale one with `kvshm rm {name}`") from None
+    except OSError as e:
+        if e.errno == errno.ENOSPC:
+            free = _free_bytes()
+            raise ShmSpaceError(size, 0 if free is None else free, SHM_DIR) from None
+        raise SegmentError(f"cannot create a {size:,}-byte {what} in {SHM_DIR}: "
+                           f"{e.strerror}") from None
 
 
 def open_shm(name: str, what: str = "shared-memory segment",
@@ -171,12 +212,18 @@ def share_with_group(name: str, gid: int) -> None:
 
 def check_shm_space(needed: int, path: str = SHM_DIR) -> None:
     """Raise ShmSpaceError if `path` has fewer than `needed` free bytes."""
-    try:
-        free = shutil.disk_usage(path).free
-    except OSError:
-        return  # no /dev/shm to inspect (not Linux): let the OS decide
-    if free < needed:
+    free = _free_bytes(path)
+    if free is not None and free < needed:
         raise ShmSpaceError(needed, free, path)
+
+
+def _free_bytes(path: str = SHM_DIR) -> int | None:
+    """Free bytes in `path`'s file system (None: nothing to inspect, not
+    Linux: the OS decides)."""
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return None
 
 
 def lock_segment(name: str) -> int:

@@ -188,6 +188,9 @@ class Coordinator:
             (ops/tenants.py; a tenant not named is unlimited).
         tenant_auth: the tenants sessions must prove (service/tenant_auth.py;
             None or none declared: a session may name any tenant).
+        reserve_arena: allocate a new arena's pages at creation (off: they
+            come at first touch, which keeps first-touch NUMA placement but
+            lets a /dev/shm filled later kill a process with SIGBUS).
     """
 
     def __init__(self, config: PoolConfig, *, name: str, socket_path: str | Path,
@@ -200,7 +203,7 @@ class Coordinator:
                  kv_events: KVEventsConfig | None = None,
                  tenant_quotas: dict[str, int] | None = None,
                  tenant_auth: TenantAuth | None = None,
-                 group: int | None = None) -> None:
+                 group: int | None = None, reserve_arena: bool = True) -> None:
         self.socket_path = Path(socket_path)
         self.group = group
         self.tenant_auth = tenant_auth or TenantAuth()
@@ -213,7 +216,7 @@ class Coordinator:
         self.write_buffer_high = write_buffer_high
         self.resume_grace = resume_grace
         self.pool = (adopt_pool(config, name, group=group) if adopt
-                     else create_pool(config, name, group=group))
+                     else create_pool(config, name, group=group, reserve_arena=reserve_arena))
         self.mgr = self.pool.mgr
         self.publisher: EventPublisher | None = None
         if kv_events is not None and kv_events.publishes:
@@ -509,6 +512,7 @@ async def serve(config: PoolConfig, *, name: str, socket_path: str | Path,
                 kv_events: KVEventsConfig | None = None,
                 tenant_quotas: dict[str, int] | None = None,
                 tenant_auth: TenantAuth | None = None, group: int | None = None,
+                reserve_arena: bool = True,
                 ready: Callable[[Coordinator], None] | None = None) -> None:
     """Run a coordinator until SIGINT/SIGTERM, then shut down cleanly.
 
@@ -552,7 +556,8 @@ async def serve(config: PoolConfig, *, name: str, socket_path: str | Path,
                             admin_token=admin_token, allow_other_uids=allow_other_uids,
                             adopt=info is not None, resume_grace=resume_grace,
                             kv_events=kv_events, tenant_quotas=tenant_quotas,
-                            tenant_auth=tenant_auth, group=group)
+                            tenant_auth=tenant_auth, group=group,
+                            reserve_arena=reserve_arena)
     except BaseException:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
