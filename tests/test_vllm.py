@@ -5,8 +5,9 @@ The engines run in the vLLM environments that ./scripts/vllm_env.sh makes
 0.32.0, or $KVSHM_VLLM_032_PYTHON), one process per engine, through
 `python -m kvshm.vllm.engine`, forked from a server that has imported vLLM
 once (vllm_engines.py; KVSHM_VLLM_FORK=0 starts fresh interpreters); the
-engine tests run on both releases (the `release` fixture).  Without an environment its tests skip, unless
-KVSHM_REQUIRE_VLLM=1 (the test command sets it): then they fail.
+engine tests run on both releases (the `release` fixture).  Without an
+environment its tests skip, unless KVSHM_REQUIRE_VLLM=1 (the test command
+sets it): then they fail.
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import signal
 import subprocess
 import tempfile
 import threading
@@ -33,9 +34,10 @@ class ForkServer:
 
     def __init__(self, python: Path):
         self.log = tempfile.TemporaryFile("w+")       # its stderr: not pytest's of one test
-        self.proc = subprocess.Popen([str(python), str(Path(__file__).with_name("vllm_zygote.py"))],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=self.log, text=True, cwd=REPO)
+        zygote = Path(__file__).with_name("vllm_zygote.py")
+        self.proc = subprocess.Popen([str(python), str(zygote)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=self.log, text=True,
+                                     cwd=REPO)
         self.lock = threading.Lock()
         ready = self._read()
         if "error" in ready:
@@ -103,7 +105,7 @@ class ForkedProcess:
     def kill(self) -> None:
         if self.returncode is None:
             try:
-                os.kill(self.pid, 9)
+                os.kill(self.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
 
