@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -71,6 +72,27 @@ def test_pending_blocks_are_hits_for_their_writer_only():
         mgr.mark_computed(req)
         assert _lookup(mgr, 2, "c", prompt) == (new[:3], 12, 0)
         assert not pool.pending and check_segment(mgr.segment, pool).clean
+
+
+def test_marking_computed_what_readies_nothing_changes_no_byte():
+    """An Advance of a request whose blocks are all ready, while another
+    request's are pending, opens no mutation (the common case: decode)."""
+    with _mgr() as mgr:
+        ready, _ = _write(mgr, 1, "a", tokens(0, 14))
+        ready.num_computed_tokens = 14
+        mgr.mark_computed(ready)                 # all of a's blocks are ready
+        writer, new = _write(mgr, 2, "b", tokens(100, 114))
+        writer.num_computed_tokens = 3           # less than a block: nothing to ready
+        path = Path(f"/dev/shm/{mgr.segment.name}")
+        before = path.read_bytes()
+        for req in (ready, writer):
+            mgr.mark_computed(req)
+        assert path.read_bytes() == before
+        writer.num_computed_tokens = 4
+        mgr.mark_computed(writer)                # its first block is ready now
+        assert path.read_bytes() != before
+        assert sorted(mgr.block_pool.pending) == new[1:3]
+        assert check_segment(mgr.segment, mgr.block_pool).clean
 
 
 def test_a_writer_that_frees_its_pending_blocks_uncaches_them():

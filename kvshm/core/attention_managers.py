@@ -262,6 +262,12 @@ class SingleTypeManager:
         caches (where `masks_cache`)."""
         return None
 
+    def readies(self, request_id: str, num_computed_tokens: int) -> bool:
+        """Whether `mark_computed` would make one of the request's pending
+        blocks ready (most calls: a decode step's blocks are ready)."""
+        idx = self.pending_of.get(request_id)
+        return bool(idx) and idx[0] < num_computed_tokens // self.block_size
+
     def mark_computed(self, request_id: str, num_computed_tokens: int) -> None:
         """The request's K/V up to `num_computed_tokens` are in the arena:
         the blocks it cached pending below them become ready."""

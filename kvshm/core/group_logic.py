@@ -44,6 +44,7 @@ class GroupLogic:
     def _bind_single(self, m: SingleTypeManager) -> None:
         """One group: call its manager directly (the hot path of most pools)."""
         self.cache_blocks = m.cache_blocks
+        self.readies = m.readies
         self.mark_computed = m.mark_computed
         self.free = m.free
         if m.has_window:
@@ -136,6 +137,9 @@ class GroupLogic:
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         for m in self.managers:
             m.cache_blocks(request, num_computed_tokens)
+
+    def readies(self, request_id: str, num_computed_tokens: int) -> bool:
+        return any(m.readies(request_id, num_computed_tokens) for m in self.managers)
 
     def mark_computed(self, request_id: str, num_computed_tokens: int) -> None:
         for m in self.managers:

@@ -519,8 +519,10 @@ class KVCacheManagerCore:
 
     def mark_computed(self, request: Request) -> None:
         """The request's K/V up to its `num_computed_tokens` are in the
-        arena: its pending blocks below that become hits for every session."""
-        if not self.block_pool.pending:
+        arena: its pending blocks below that become hits for every session.
+        A call that readies nothing opens no mutation."""
+        if not self.block_pool.pending or not self.groups.readies(
+                request.request_id, request.num_computed_tokens):
             return
         self._begin()
         try:
