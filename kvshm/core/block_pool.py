@@ -247,9 +247,10 @@ class BlockPool:
         s = self._sentinel
         n = self.num_free_blocks if limit is None else min(limit, self.num_free_blocks)
         out = []
+        append = out.append
         b = s + nxt[s]
         for _ in range(n):
-            out.append(b)
+            append(b)
             b += nxt[b]
         return out
 

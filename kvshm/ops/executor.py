@@ -434,8 +434,8 @@ class OpExecutor:
 
     def _free(self, owner: Owner, op: p.Free):
         st = self.requests.get(op.req)
-        if st is None or st.request is not None or st.owner is not owner:
-            st = self._owned(owner, op.req)   # a placeholder may be freed as it is
+        if st is None or st.owner is not owner:   # (a placeholder may be freed as it is)
+            st = self._owned(owner, op.req)       # raises, saying why
         mgr = self.mgr
         mgr.free(op.req)
         st.claimed = False   # the slot is released
