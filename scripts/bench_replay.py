@@ -89,8 +89,11 @@ def instructions_per_op(path: Path, num_ops: int, *, tree: Path = REPO,
         proc = subprocess.run(
             ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null", str(py), "-c",
              loop, str(path), str(k), str(ORACLE)],
-            # (cwd: `python -c` puts it first on sys.path)
-            capture_output=True, text=True, cwd=tree, env={**os.environ, "PYTHONPATH": str(tree)})
+            # (cwd: `python -c` puts it first on sys.path; one hash seed for every
+            # count: with random ones, dicts and sets differ from run to run, and
+            # so did the counts, by up to 1 %)
+            capture_output=True, text=True, cwd=tree,
+            env={**os.environ, "PYTHONPATH": str(tree), "PYTHONHASHSEED": "0"})
         m = _COLLECTED.search(proc.stderr)
         if proc.returncode != 0 or not m:
             raise RuntimeError(f"counting {path.name} failed:\n{proc.stderr[-2000:]}")
