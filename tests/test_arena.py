@@ -3,6 +3,7 @@ lifecycle with the coordinator, and the Admit operation workers use."""
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import signal
@@ -13,11 +14,12 @@ import numpy as np
 import pytest
 
 from helpers import make_config, tokens
+from kvshm.core.check import check_segment
 from kvshm.core.errors import ConfigError, SegmentError, ShmSpaceError
 from kvshm.core.specs import FullSpec, KVShape, PoolConfig, SlidingWindowSpec
 from kvshm.ops.errors import InvalidArgument, UnknownRequest
 from kvshm.pool.arena import ArenaLayout, KVArena, arena_bytes, arena_name, resolve_dtype
-from kvshm.pool.lifecycle import create_pool
+from kvshm.pool.lifecycle import adopt_pool, create_pool, remove_pool
 from kvshm.pool.segment import SHM_DIR, list_segments, remove_segment
 from kvshm.service.client import connect
 from kvshm.service.process import CoordinatorProcess
@@ -261,6 +263,38 @@ def test_kvshm_serve_allocates_the_arena_unless_told_not_to(flags, reserved):
         assert (allocated >= size) is reserved
         assert os.stat(f"{SHM_DIR}/{proc.name}").st_blocks * 512 >= \
             os.stat(f"{SHM_DIR}/{proc.name}").st_size               # the state: always
+
+
+def test_adoption_allocates_the_pages_a_sparse_pool_lacks(monkeypatch):
+    cfg = kv_config(num_blocks=256)
+    name = f"kvshm-test-adopt-sparse-{os.getpid()}"
+    create_pool(cfg, name, reserve_arena=False).close(unlink=False)   # a dead coordinator's
+    path = f"{SHM_DIR}/{arena_name(name)}"
+
+    def allocated() -> bool:
+        st = os.stat(path)
+        return st.st_blocks * 512 >= st.st_size
+    assert not allocated()
+    try:
+        def full(fd, offset, length):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        monkeypatch.setattr(os, "posix_fallocate", full)
+        pool = adopt_pool(cfg, name)              # /dev/shm too full now: adopted, and said
+        assert [n for n in pool.adoption.notes if arena_name(name) in n
+                and "not allocated" in n and "SIGBUS" in n]
+        pool.close(unlink=False)
+        monkeypatch.undo()
+        pool = adopt_pool(cfg, name, reserve_arena=False)   # left to first touch, as asked
+        assert not allocated() and not pool.adoption.notes
+        pool.close(unlink=False)
+        pool = adopt_pool(cfg, name)
+        assert allocated() and not pool.adoption.notes
+        assert check_segment(pool.mgr.segment, pool.mgr.block_pool).clean
+        pool.close()
+    except BaseException:
+        remove_pool(name, force=True)
+        raise
+    assert not os.path.exists(path)
 
 
 _FILL_THEN_WRITE = """

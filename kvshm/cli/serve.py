@@ -60,9 +60,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "percentage of the pool (repeatable; `=N` is the default tenant); "
                    "beyond it its allocations fail as on a full pool")
     p.add_argument("--no-reserve-arena", dest="reserve_arena", action="store_false",
-                   help="leave a new KV arena's pages to be allocated at first touch "
-                   "(first-touch NUMA placement) instead of at creation; a /dev/shm "
-                   "filled later then kills the process that touches a new page (SIGBUS)")
+                   help="leave the KV arena's pages to be allocated at first touch "
+                   "(first-touch NUMA placement) instead of when the pool is made or "
+                   "adopted; a /dev/shm filled later then kills the process that "
+                   "touches a new page (SIGBUS)")
     p.add_argument("--metrics-port", type=int, metavar="PORT",
                    help="also serve the pool's Prometheus metrics on PORT (a `kvshm "
                    "metrics` process beside the coordinator; needs kvshm[metrics])")

@@ -21,7 +21,7 @@ from kvshm.core.specs import PoolConfig
 from kvshm.pool.layout import Layout
 from kvshm.pool.kv_cache_manager import KVCacheManager
 from kvshm.pool.segment import PoolSegment, remove_segment, segment_info
-from kvshm.pool.shm import check_shm_space, lock_segment, share_with_group
+from kvshm.pool.shm import check_shm_space, lock_segment, reserve_existing, share_with_group
 
 
 @dataclass
@@ -123,11 +123,15 @@ def create_pool(config: PoolConfig, name: str, *, group: int | None = None,
         raise
 
 
-def adopt_pool(config: PoolConfig, name: str, *, group: int | None = None) -> OpenPool:
+def adopt_pool(config: PoolConfig, name: str, *, group: int | None = None,
+               reserve_arena: bool = True) -> OpenPool:
     """Take over pool `name` left by a dead coordinator.  Raises
     SegmentError (locked by a live coordinator, another config, the arena
     missing, a state repair cannot make consistent), leaving it untouched.
-    Its segments keep their modes; `group` makes them 0660 to that group."""
+    Its segments keep their modes; `group` makes them 0660 to that group.
+    Pages the segments lack (made sparse) are allocated, the arena's only
+    with `reserve_arena`; where /dev/shm cannot hold them, the adoption
+    says so in its notes and goes on (`reserve_existing`)."""
     from kvshm.pool.arena import KVArena, arena_name   # loaded on use (numpy), as above
     lock = lock_segment(name)
     seg = arena = None
@@ -167,6 +171,13 @@ def adopt_pool(config: PoolConfig, name: str, *, group: int | None = None) -> Op
         arena.claim()
     check = check_segment(seg, mgr.block_pool)
     pool = OpenPool(mgr, arena, lock, Adoption(seg.get("generation"), mgr.repair_report, check))
+    for n in [name] + ([arena.name] if arena is not None and reserve_arena else []):
+        short = reserve_existing(n)
+        if short:
+            pool.adoption.notes.append(
+                f"/dev/shm/{n}: {short:,} bytes of it are not allocated and /dev/shm "
+                "cannot hold them now; a first write to one of those pages will fail "
+                "(SIGBUS): free space in /dev/shm and restart the coordinator")
     if not check.clean:   # the dry run passed, so this is a bug: keep the pool for study
         pool.close(unlink=False)
         raise SegmentError(f"pool {name!r}: the check after repair failed "

@@ -118,6 +118,27 @@ def reserve_pages(fd: int, size: int) -> None:
             raise
 
 
+def reserve_existing(name: str) -> int:
+    """Allocate the pages shared-memory object `name` lacks (one made
+    sparse: by an older kvshm, or with `--no-reserve-arena`).  Returns the
+    bytes still unallocated: 0, or, when /dev/shm cannot hold them, all it
+    lacked (tmpfs undoes a partial allocation; the object is as it was)."""
+    fd = _posixshmem.shm_open("/" + name, os.O_RDWR, mode=0o600)
+    try:
+        st = os.fstat(fd)
+        missing = max(0, st.st_size - st.st_blocks * 512)
+        if missing:
+            try:
+                reserve_pages(fd, st.st_size)
+            except OSError as e:
+                if e.errno != errno.ENOSPC:
+                    raise
+                return missing
+        return 0
+    finally:
+        os.close(fd)
+
+
 def unlink_shm(name: str) -> None:
     """Remove shared-memory object `name`.  Raises FileNotFoundError if
     there is none."""

@@ -188,9 +188,10 @@ class Coordinator:
             (ops/tenants.py; a tenant not named is unlimited).
         tenant_auth: the tenants sessions must prove (service/tenant_auth.py;
             None or none declared: a session may name any tenant).
-        reserve_arena: allocate a new arena's pages at creation (off: they
-            come at first touch, which keeps first-touch NUMA placement but
-            lets a /dev/shm filled later kill a process with SIGBUS).
+        reserve_arena: allocate the arena's pages when the pool is made or
+            adopted (off: they come at first touch, which keeps first-touch
+            NUMA placement but lets a /dev/shm filled later kill a process
+            with SIGBUS).
     """
 
     def __init__(self, config: PoolConfig, *, name: str, socket_path: str | Path,
@@ -215,8 +216,8 @@ class Coordinator:
         self.max_batch_ops = max_batch_ops
         self.write_buffer_high = write_buffer_high
         self.resume_grace = resume_grace
-        self.pool = (adopt_pool(config, name, group=group) if adopt
-                     else create_pool(config, name, group=group, reserve_arena=reserve_arena))
+        self.pool = (adopt_pool if adopt else create_pool)(config, name, group=group,
+                                                           reserve_arena=reserve_arena)
         self.mgr = self.pool.mgr
         self.publisher: EventPublisher | None = None
         if kv_events is not None and kv_events.publishes:
