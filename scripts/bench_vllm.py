@@ -169,28 +169,32 @@ def best_hit_rates(work: list[dict], block: int) -> dict[str, float]:
     own: list[dict] = [{} for _ in work]
     hits = {"shared": 0, "isolated": 0}
     total = 0
+    for e, prompt in _served(work):
+        total += len(prompt)
+        blocks = [tuple(prompt[b:b + block]) for b in range(0, len(prompt) - block + 1, block)]
+        usable = (len(prompt) - 1) // block
+        for mode, node in (("shared", shared), ("isolated", own[e])):
+            hit = 0
+            for key in blocks:   # the cached prefix; past a miss, every node is new
+                child = node.get(key)
+                if child is None:
+                    child = node[key] = {}
+                else:
+                    hit += 1
+                node = child
+            hits[mode] += min(hit, usable) * block
+    return {mode: h / total if total else 0.0 for mode, h in hits.items()}
+
+
+def _served(work: list[dict]):
+    """(engine, prompt ids) of every request of `work`, phase by phase, the
+    engines' k-th requests of a phase in turn."""
     for k in range(max(len(wl["phases"]) for wl in work)):
         phases = [wl["phases"][k] if k < len(wl["phases"]) else [] for wl in work]
         for i in range(max(map(len, phases))):
             for e, phase in enumerate(phases):
-                if i >= len(phase):
-                    continue
-                prompt = phase[i]["prompt_ids"]
-                total += len(prompt)
-                blocks = [tuple(prompt[b:b + block])
-                          for b in range(0, len(prompt) - block + 1, block)]
-                usable = (len(prompt) - 1) // block
-                for mode, node in (("shared", shared), ("isolated", own[e])):
-                    hit = 0
-                    for key in blocks:   # the cached prefix; past a miss, every node is new
-                        child = node.get(key)
-                        if child is None:
-                            child = node[key] = {}
-                        else:
-                            hit += 1
-                        node = child
-                    hits[mode] += min(hit, usable) * block
-    return {mode: h / total if total else 0.0 for mode, h in hits.items()}
+                if i < len(phase):
+                    yield e, phase[i]["prompt_ids"]
 
 
 def one_at_a_time(work: list[dict]) -> list[dict]:

@@ -73,6 +73,12 @@ async def until(cond, timeout: float = 2.0) -> None:
         await asyncio.sleep(0.005)
 
 
+def fully_allocated(name: str) -> bool:
+    """Whether every page of /dev/shm/`name` is allocated (not sparse)."""
+    st = os.stat(f"{SHM_DIR}/{name}")
+    return st.st_blocks * 512 >= st.st_size
+
+
 def kvshm_segments() -> set[str]:
     """Names of the kvshm-looking segments in /dev/shm now."""
     try:

@@ -13,7 +13,7 @@ import sys
 import numpy as np
 import pytest
 
-from helpers import make_config, tokens
+from helpers import fully_allocated, make_config, tokens
 from kvshm.core.check import check_segment
 from kvshm.core.errors import ConfigError, SegmentError, ShmSpaceError
 from kvshm.core.specs import FullSpec, KVShape, PoolConfig, SlidingWindowSpec
@@ -245,11 +245,8 @@ def test_a_new_pool_s_pages_are_allocated_unless_the_arena_is_left_to_first_touc
         name = f"kvshm-test-reserve-{reserve}-{os.getpid()}"
         pool = create_pool(cfg, name, reserve_arena=reserve)
         try:
-            seg, arena = pool.mgr.segment, pool.arena
-            allocated = {n: os.stat(f"{SHM_DIR}/{n}").st_blocks * 512
-                         for n in (seg.name, arena.name)}
-            assert allocated[seg.name] >= seg.layout.size       # the state: always
-            assert (allocated[arena.name] >= arena.layout.size) is reserve
+            assert fully_allocated(pool.mgr.segment.name)       # the state: always
+            assert fully_allocated(pool.arena.name) is reserve
         finally:
             pool.close()
 
@@ -258,11 +255,8 @@ def test_a_new_pool_s_pages_are_allocated_unless_the_arena_is_left_to_first_touc
 def test_kvshm_serve_allocates_the_arena_unless_told_not_to(flags, reserved):
     cfg = kv_config(num_blocks=256)
     with CoordinatorProcess(cfg, extra_args=flags) as proc:   # (ready)
-        size = os.stat(f"{SHM_DIR}/{arena_name(proc.name)}").st_size
-        allocated = os.stat(f"{SHM_DIR}/{arena_name(proc.name)}").st_blocks * 512
-        assert (allocated >= size) is reserved
-        assert os.stat(f"{SHM_DIR}/{proc.name}").st_blocks * 512 >= \
-            os.stat(f"{SHM_DIR}/{proc.name}").st_size               # the state: always
+        assert fully_allocated(arena_name(proc.name)) is reserved
+        assert fully_allocated(proc.name)                           # the state: always
 
 
 def test_adoption_allocates_the_pages_a_sparse_pool_lacks(monkeypatch):
@@ -270,11 +264,7 @@ def test_adoption_allocates_the_pages_a_sparse_pool_lacks(monkeypatch):
     name = f"kvshm-test-adopt-sparse-{os.getpid()}"
     create_pool(cfg, name, reserve_arena=False).close(unlink=False)   # a dead coordinator's
     path = f"{SHM_DIR}/{arena_name(name)}"
-
-    def allocated() -> bool:
-        st = os.stat(path)
-        return st.st_blocks * 512 >= st.st_size
-    assert not allocated()
+    assert not fully_allocated(arena_name(name))
     try:
         def full(fd, offset, length):
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
@@ -285,10 +275,10 @@ def test_adoption_allocates_the_pages_a_sparse_pool_lacks(monkeypatch):
         pool.close(unlink=False)
         monkeypatch.undo()
         pool = adopt_pool(cfg, name, reserve_arena=False)   # left to first touch, as asked
-        assert not allocated() and not pool.adoption.notes
+        assert not fully_allocated(arena_name(name)) and not pool.adoption.notes
         pool.close(unlink=False)
         pool = adopt_pool(cfg, name)
-        assert allocated() and not pool.adoption.notes
+        assert fully_allocated(arena_name(name)) and not pool.adoption.notes
         assert check_segment(pool.mgr.segment, pool.mgr.block_pool).clean
         pool.close()
     except BaseException:

@@ -174,9 +174,10 @@ class KVArena(OwnedMapping):
 
     @classmethod
     def create(cls, config: PoolConfig, name: str, *, check_space: bool = True,
-               reserve: bool = True) -> "KVArena":
+               reserve: bool = False) -> "KVArena":
         """Create the arena for `config` as /dev/shm/`name`, its pages
-        allocated now unless `reserve` is off (kvshm.pool.shm.reserve_pages).
+        allocated now with `reserve` (kvshm.pool.shm.reserve_pages; the
+        coordinator's create_pool decides).
         Raises SegmentError (bad or taken name, no `kv` shape) and
         ShmSpaceError."""
         layout = ArenaLayout(config)

@@ -171,18 +171,18 @@ def adopt_pool(config: PoolConfig, name: str, *, group: int | None = None,
         arena.claim()
     check = check_segment(seg, mgr.block_pool)
     pool = OpenPool(mgr, arena, lock, Adoption(seg.get("generation"), mgr.repair_report, check))
-    for n in [name] + ([arena.name] if arena is not None and reserve_arena else []):
-        short = reserve_existing(n)
-        if short:
-            pool.adoption.notes.append(
-                f"/dev/shm/{n}: {short:,} bytes of it are not allocated and /dev/shm "
-                "cannot hold them now; a first write to one of those pages will fail "
-                "(SIGBUS): free space in /dev/shm and restart the coordinator")
     if not check.clean:   # the dry run passed, so this is a bug: keep the pool for study
         pool.close(unlink=False)
         raise SegmentError(f"pool {name!r}: the check after repair failed "
                            f"({check.summary()}); the segments are kept")
     try:
+        for n in [name] + ([arena.name] if arena is not None and reserve_arena else []):
+            short = reserve_existing(n)
+            if short:
+                pool.adoption.notes.append(
+                    f"/dev/shm/{n}: {short:,} bytes of it are not allocated and /dev/shm "
+                    "cannot hold them now; a first write to one of those pages will fail "
+                    "(SIGBUS): free space in /dev/shm and restart the coordinator")
         return _share(pool, group)
     except BaseException:
         pool.close(unlink=False)   # adopted, not ours to remove

@@ -107,9 +107,9 @@ def reserve_pages(fd: int, size: int) -> None:
     coordinator's segments are allocated whole when it makes them
     (kvshm.pool.lifecycle.create_pool): then a full /dev/shm is refused at
     creation (ENOSPC, with nothing left behind) and cannot hurt a pool that
-    exists.  The pages are allocated under the calling
-    process's memory policy (`numactl --interleave=all kvshm serve`
-    spreads them over the NUMA nodes).  Where the file system cannot
+    exists.  The pages are allocated under the calling process's memory
+    policy (`numactl --interleave=all kvshm serve` spreads them over the
+    NUMA nodes).  Where the file system cannot
     allocate ahead (EOPNOTSUPP, EINVAL), the object stays sparse."""
     try:
         os.posix_fallocate(fd, 0, size)
