@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
 import subprocess
 import sys
+import threading
 
 import msgspec
 import pytest
@@ -17,9 +19,10 @@ import pytest
 from helpers import check_pool, make_config, tokens, until
 from kvshm.core.check import check_segment
 from kvshm.ops import protocol as p
-from kvshm.ops.errors import ConnectionLost, Forbidden
+from kvshm.ops.errors import ConnectionLost, Forbidden, ResumeFailed
 from kvshm.pool.segment import PoolSegment, segment_info
 from kvshm.pool.shm import SHM_DIR
+from kvshm.service import client as client_module
 from kvshm.service.client import connect, open_wire
 from kvshm.service.process import CoordinatorProcess
 from kvshm.service.resume import Reconnect
@@ -79,6 +82,117 @@ async def test_sigkill_of_the_coordinator_is_a_pause(pool_name):
         st = check_pool(pool_name)
         assert st.clean and st.num_requests == 0
     assert segment_info(pool_name) is None
+
+
+async def test_a_coordinator_killed_right_after_its_welcome_is_reconnected_to(pool_name,
+                                                                             monkeypatch):
+    """The connection of a resume is lost after the Welcome arrived but
+    before the client took it over (a coordinator SIGKILLed just then, as a
+    soak that kills every 2 s on a loaded machine does): the client must
+    not write to the dead connection and wait for ever; it starts over."""
+    real_open_wire = client_module.open_wire
+    with CoordinatorProcess(CFG, name=pool_name) as proc:
+        calls = []
+
+        async def dies_after_welcome(path, hello, timeout):
+            wire, welcome = await real_open_wire(path, hello, timeout)
+            calls.append(welcome.resumed)
+            if len(calls) == 1:
+                proc.kill()
+                wire.fail(ConnectionLost("killed after its Welcome"))   # as connection_lost
+                proc.restart()
+            return wire, welcome
+
+        c = await _client(proc)
+        await c.add_request("run", tokens(100, 110))
+        await c.allocate_slots("run", 10)
+        held = await c.get_block_ids("run")
+        monkeypatch.setattr(client_module, "open_wire", dies_after_welcome)
+        proc.kill()
+        proc.restart()
+        assert await asyncio.wait_for(c.get_block_ids("run"), 20) == held
+        assert calls == [True, True] and c.generation == 2 and len(c.restarts) == 1
+        assert check_pool(pool_name).clean
+        await c.close()
+
+
+@pytest.mark.parametrize("resume", [True, False])
+async def test_a_connection_lost_right_after_the_first_welcome_is_not_waited_on(
+        pool_name, monkeypatch, resume):
+    real_open_wire = client_module.open_wire
+    with CoordinatorProcess(CFG, name=pool_name) as proc:
+        async def lost_after_welcome(path, hello, timeout):
+            wire, welcome = await real_open_wire(path, hello, timeout)
+            if not hello.resume_token:
+                wire.transport.close()
+                wire.fail(ConnectionLost("lost after its Welcome"))
+            return wire, welcome
+
+        monkeypatch.setattr(client_module, "open_wire", lost_after_welcome)
+        c = await _client(proc, resume=resume)
+        if resume:
+            # It reconnects; the coordinator ended the closed session, so the
+            # call made meanwhile fails as after any lost session, and the
+            # client goes on as a fresh one.
+            with pytest.raises(ResumeFailed, match="could not be resumed"):
+                await asyncio.wait_for(c.add_request("x", tokens(0, 9)), 20)
+            await c.add_request("x", tokens(0, 9))
+            assert await c.get_block_ids("x") == [[]]
+        else:
+            with pytest.raises(ConnectionLost, match="lost after its Welcome"):
+                await asyncio.wait_for(c.add_request("x", tokens(0, 9)), 20)
+        await c.close()
+
+
+async def test_a_connection_accepted_then_closed_is_a_connection_error(tmp_path):
+    """A coordinator killed as it comes up has accepted connections (the
+    kernel queues them) that then close: connecting must say ConnectionLost,
+    which a reconnecting client retries, not fail the Hello's write with
+    the event loop's RuntimeError, which ended a resume for good."""
+    path = tmp_path / "dies.sock"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(path))
+    listener.listen(64)
+    stop = threading.Event()
+
+    def accept_and_close():
+        listener.settimeout(0.1)
+        while not stop.is_set():
+            try:
+                conn, _ = listener.accept()
+            except socket.timeout:
+                continue
+            conn.close()
+
+    closer = threading.Thread(target=accept_and_close)
+    closer.start()
+    hello = p.Hello(p.PROTOCOL_VERSION, os.getpid(), "0" * 16)
+    try:
+        for _ in range(30):
+            with pytest.raises(ConnectionLost, match="closed the connection"):
+                await open_wire(path, hello, 5)
+    finally:
+        stop.set()
+        closer.join()
+        listener.close()
+
+
+async def test_a_resume_that_fails_unforeseen_fails_its_calls_instead_of_hanging(
+        pool_name, monkeypatch):
+    async def broken(path, hello, timeout):
+        raise RuntimeError("an error nobody foresaw")
+
+    with CoordinatorProcess(CFG, name=pool_name) as proc:
+        c = await _client(proc)
+        await c.add_request("run", tokens(100, 110))
+        monkeypatch.setattr(client_module, "open_wire", broken)
+        proc.kill()
+        with pytest.raises(ConnectionLost, match="RuntimeError: an error nobody foresaw"):
+            await asyncio.wait_for(c.get_block_ids("run"), 20)
+        assert not c.connected
+        with pytest.raises(ConnectionLost):          # and every later call
+            await asyncio.wait_for(c.get_block_ids("run"), 20)
+        await c.close()
 
 
 async def test_a_session_that_does_not_come_back_is_freed_after_the_grace_period(pool_name):

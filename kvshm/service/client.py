@@ -117,6 +117,8 @@ class Client(ClientSession):
         self._resuming: asyncio.Task | None = None
         self._resumed: asyncio.Event = asyncio.Event()
         self._attach(wire)
+        if wire.lost is not None:   # lost after its Welcome, before anyone watched it
+            self._on_lost(wire, wire.lost)
 
     def _attach(self, wire: _Wire) -> None:
         self._wire = wire
@@ -184,7 +186,13 @@ class Client(ClientSession):
         return answer(checked(await self.request(msg, timeout)))
 
     def _write(self, call: Call) -> None:
-        self._wire.transport.write(self._flight.number(call))
+        frame = self._flight.number(call)
+        t = self._wire.transport
+        # A transport the peer closed refuses writes before its
+        # connection_lost has run; that loss starts the resume, which sends
+        # the call again.
+        if not t.is_closing():
+            t.write(frame)
 
     def _on_reply(self, msg) -> None:
         if msg.__class__ is p.Shutdown:   # a clean stop: nothing will come back
@@ -217,14 +225,22 @@ class Client(ClientSession):
         the connection meanwhile cancels this and starts over."""
         flight = self._flight
         try:
-            welcome = await self._reconnect(err)
-            if not welcome.resumed:
-                for call in flight.fresh_session(welcome):
+            while True:
+                welcome = await self._reconnect(err)
+                settled = (flight.resumed(welcome, self._wire.decoder.decode)
+                           if welcome.resumed else flight.fresh_session(welcome))
+                for call in settled:
                     _deliver(call)
+                if self._wire.lost is None:
+                    break
+                # Lost between its Welcome and now, while nothing watched it
+                # (a coordinator killed just after answering): nothing would
+                # say so, and a write would go nowhere.  Again, from this
+                # Welcome's state.
+                err = self._wire.lost
+            if not welcome.resumed:
                 self._resumed.set()
                 return
-            for call in flight.resumed(welcome, self._wire.decoder.decode):
-                _deliver(call)
             for frame in self.requests.restore_frames(welcome.requests):
                 await self._restore(frame)
             for call in flight.to_resend():    # not applied: send again, in order
@@ -235,6 +251,9 @@ class Client(ClientSession):
             self._give_up(e)
         except asyncio.CancelledError:
             pass
+        except Exception as e:   # noqa: BLE001 - a resume must end: never leave calls waiting
+            self._give_up(ConnectionLost(f"resuming the session after the coordinator went "
+                                         f"away failed: {type(e).__name__}: {e}"))
         finally:
             if self._resuming is asyncio.current_task():
                 self._resuming = None
@@ -339,6 +358,10 @@ async def open_wire(path, hello: p.Hello, timeout: float) -> tuple[_Wire, p.Welc
     except asyncio.TimeoutError:
         raise RequestTimeout(f"connecting to {path} took over {timeout}s") from None
     try:
+        if wire.lost is not None or wire.transport.is_closing():
+            # Accepted, then closed: a coordinator killed as it came up.
+            raise ConnectionLost(f"the coordinator at {path} closed the connection before "
+                                 "the handshake")
         wire.handshake = loop.create_future()
         wire.transport.write(encode_frame(hello))
         try:
