@@ -226,6 +226,9 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("VLLM_CACHE_ROOT", vllm_cache_root(vllm_release()))
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    port = rendezvous_port(os.getpid())
+    if port is not None:
+        os.environ.setdefault("VLLM_PORT", str(port))
     report = run(args)
     text = json.dumps(report)
     if args.out:
@@ -237,6 +240,32 @@ def main(argv: list[str] | None = None) -> int:
 
 
 _reported: list[bool] = []
+
+PORT_WINDOWS, PORT_WINDOW = 1000, 10
+
+
+def rendezvous_port(pid: int, port_range: str = "/proc/sys/net/ipv4/ip_local_port_range"
+                    ) -> int | None:
+    """The first port of this engine's window for vLLM's TCP rendezvous
+    (VLLM_PORT), or None to leave vLLM its own choice.
+
+    An in-process vLLM engine asks the kernel for a free port, closes it,
+    and binds it again a moment later for torch.distributed's store.
+    Engines started together (bench_vllm.py's, the tests') can be handed
+    the same port in between, and one then fails with EADDRINUSE.  With
+    VLLM_PORT set, vLLM tries that port and the ones after it instead; so
+    each engine gets a window of PORT_WINDOW ports by its pid, PORT_WINDOWS
+    windows just below the kernel's ephemeral range, where no connection's
+    local port lands.  A host whose ephemeral range leaves no room for them
+    keeps vLLM's choice."""
+    try:
+        low = int(Path(port_range).read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    first = low - PORT_WINDOWS * PORT_WINDOW
+    if first < 1024:
+        return None
+    return first + (pid % PORT_WINDOWS) * PORT_WINDOW
 
 
 def _end_after_exit_handlers() -> None:
