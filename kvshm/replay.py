@@ -64,11 +64,18 @@ def trace_pool_config(cfg: dict[str, Any], ops: list[dict[str, Any]]) -> PoolCon
 _RESCHEDULED = ("preempt", "kv_load_failed")
 
 
+def prefix_sources(ops: Iterable[dict[str, Any]]) -> set[str]:
+    """The requests whose tokens a later `add_request` copies (its `prefix`)."""
+    return {op["prefix"]["req"] for op in ops if "prefix" in op}
+
+
 class TraceTranslator:
     """Trace op -> protocol message, and reply -> the trace's `expect` shape.
-    Keeps each request's token list (a trace prompt may copy another's)."""
+    Keeps the token lists of the requests in `sources` (a trace prompt may
+    copy another's: `prefix_sources`), or of every request if None."""
 
-    def __init__(self) -> None:
+    def __init__(self, sources: set[str] | None = None) -> None:
+        self.sources = sources
         self.tokens: dict[str, list[int]] = {}
         # trace op name -> its message builder (`message`, inlined by replay_ops)
         self.builders = {
@@ -98,10 +105,12 @@ class TraceTranslator:
 
     def _add_request(self, op):
         get = op.get
-        prompt = list(op["prompt"])
+        prompt = op["prompt"]
         if "prefix" in op:
             prompt = self.tokens[op["prefix"]["req"]][:op["prefix"]["len"]] + prompt
-        self.tokens[op["req"]] = list(prompt)  # grows with advances; the message must not
+        sources = self.sources
+        if sources is None or op["req"] in sources:
+            self.tokens[op["req"]] = list(prompt)  # grows with advances; the message must not
         return p.AddRequest(op["req"], prompt, None, 0, get("lora_name"),
                             get("cache_salt"), bool(get("skip_prefix_cache_read")),
                             lora_path=get("lora_path"))
@@ -109,7 +118,9 @@ class TraceTranslator:
     def _advance(self, op):
         append = op.get("append")
         if append:
-            self.tokens[op["req"]].extend(append)
+            tokens = self.tokens.get(op["req"])
+            if tokens is not None:
+                tokens.extend(append)
             return p.Advance(op["req"], op["num_computed_tokens"], append)
         return p.Advance(op["req"], op["num_computed_tokens"])
 
@@ -206,13 +217,14 @@ class EmbeddedReplayer:
     """Executes trace ops on an in-process pool through the op executor (the
     coordinator's own request upkeep), as one admin session."""
 
-    def __init__(self, config: PoolConfig, *, kv_events: bool = False) -> None:
+    def __init__(self, config: PoolConfig, *, kv_events: bool = False,
+                 sources: set[str] | None = None) -> None:
         self.mgr = KVCacheManager(config, kv_events=kv_events)
         # Op latency histograms off, as the reference runs vLLM's manager
         # with log_stats off (nobody watches a replay's pool).
         self.executor = OpExecutor(self.mgr, time_ops=False)
         self.owner = self.executor.lifecycle.open(1, admin=True)
-        self.translator = TraceTranslator()
+        self.translator = TraceTranslator(sources)
 
     def close(self) -> None:
         self.mgr.close()
@@ -286,7 +298,7 @@ def replay_trace(cfg: dict[str, Any], ops: list[dict[str, Any]],
                  after=None) -> Mismatch | None:
     """Replay on a fresh pool; `after(manager)` runs before the pool closes
     (e.g. an invariant check)."""
-    r = EmbeddedReplayer(trace_pool_config(cfg, ops))
+    r = EmbeddedReplayer(trace_pool_config(cfg, ops), sources=prefix_sources(ops))
     try:
         mismatch = replay_ops(r, ops)
         if after is not None:
@@ -301,11 +313,12 @@ def bench_trace(cfg: dict[str, Any], ops: list[dict[str, Any]],
     """Time full replays (a fresh pool each, parsing excluded, every expect
     checked), as the reference runner does.  Returns (mismatch, seconds)."""
     config = trace_pool_config(cfg, ops)
+    sources = prefix_sources(ops)   # (read with the trace: its tokens are the only copies kept)
     times = []
     mismatch = None
     for _ in range(runs):
         t0 = time.perf_counter()
-        r = EmbeddedReplayer(config)
+        r = EmbeddedReplayer(config, sources=sources)
         mismatch = replay_ops(r, ops)
         times.append(time.perf_counter() - t0)
         r.close()

@@ -61,8 +61,13 @@ from pathlib import Path
 from kvshm.replay import EmbeddedReplayer, load_trace, replay_ops, trace_pool_config
 cfg, ops = load_trace(Path(sys.argv[1]))
 config = trace_pool_config(cfg, ops)
+try:   # (since 2026-12-07: only the prefix sources' tokens are kept, as bench_trace does)
+    from kvshm.replay import prefix_sources
+    kw = {"sources": prefix_sources(ops)}
+except ImportError:
+    kw = {}
 for _ in range(int(sys.argv[2])):
-    r = EmbeddedReplayer(config)
+    r = EmbeddedReplayer(config, **kw)
     assert replay_ops(r, ops) is None
     r.close()
 """

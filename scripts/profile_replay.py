@@ -43,7 +43,7 @@ from collections import defaultdict
 
 from bench_common import ORACLE, ORACLE_PY, REPO, add_json_argument, write_results
 from kvshm.replay import (EmbeddedReplayer, TraceTranslator, check_reply, expand_paths,
-                          load_trace, replay_ops, trace_pool_config)
+                          load_trace, prefix_sources, replay_ops, trace_pool_config)
 
 TRACES = REPO / "tests" / "data" / "conformance" / "traces"
 DEFAULT = ["spec-full16-large-short-s2603.jsonl.gz", "hyb3-full-sw-sw-tiny-chat-s2300.jsonl.gz",
@@ -58,29 +58,30 @@ ROOMS = (("kvshm/ops/", "executor handlers"), ("kvshm/core/journal.py", "journal
 
 def loops(config, ops):
     """The four loops (name -> a function replaying `ops` once)."""
-    prebuilt = list(map(TraceTranslator().message, ops))
+    sources = prefix_sources(ops)
+    prebuilt = list(map(TraceTranslator(sources).message, ops))
 
     def whole():
-        r = EmbeddedReplayer(config)
+        r = EmbeddedReplayer(config, sources=sources)
         assert replay_ops(r, ops) is None
         r.close()
 
     def no_check():
-        r = EmbeddedReplayer(config)
+        r = EmbeddedReplayer(config, sources=sources)
         build, execute, owner = r.translator.builders, r.executor.execute, r.owner
         for op in ops:
             execute(owner, build[op["op"]](op))
         r.close()
 
     def built():
-        r = EmbeddedReplayer(config)
+        r = EmbeddedReplayer(config, sources=sources)
         execute, owner = r.executor.execute, r.owner
         for m in prebuilt:
             execute(owner, m)
         r.close()
 
     def handlers():
-        r = EmbeddedReplayer(config)
+        r = EmbeddedReplayer(config, sources=sources)
         handler_of, owner = r.executor.handlers, r.owner
         for m in prebuilt:
             handler_of[m.__class__](owner, m)
@@ -133,9 +134,10 @@ def _per_kind(replay_once, ops, runs: int) -> dict[str, float]:
 def by_op(config, ops, runs: int) -> dict[str, float]:
     """kvshm's figure for `--by-op`: replay_ops's loop, each op timed."""
     clock = time.perf_counter_ns
+    sources = prefix_sources(ops)
 
     def once() -> dict[str, int]:
-        r = EmbeddedReplayer(config)
+        r = EmbeddedReplayer(config, sources=sources)
         tr = r.translator
         build, matches, got, execute, owner = (tr.builders, tr.matches, tr.got,
                                                r.executor.execute, r.owner)

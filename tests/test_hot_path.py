@@ -14,7 +14,7 @@ from kvshm import FullSpec, InvalidArgument, KVCacheManager, Request, SlidingWin
 from kvshm.core.metrics import read_metrics
 from kvshm.ops import protocol as p
 from kvshm.ops.executor import OpExecutor
-from kvshm.replay import TraceTranslator, check_reply
+from kvshm.replay import TraceTranslator, check_reply, prefix_sources
 
 import helpers
 from helpers import assert_clean, ids, step, tokens
@@ -166,3 +166,20 @@ def test_a_lookup_s_own_hits_skip_the_block_check_only_while_nothing_was_uncache
         hits, n = m.get_computed_blocks(d)
         assert ids(m.allocate_slots(d, 1, n, hits)) == [[5]]   # the quick way
         assert_clean(m)
+
+
+def test_the_translator_keeps_only_the_tokens_a_later_prompt_copies():
+    ops = [{"op": "add_request", "req": "a", "prompt": [1, 2, 3]},
+           {"op": "add_request", "req": "b", "prompt": [7]},
+           {"op": "advance", "req": "a", "num_computed_tokens": 3, "append": [4]},
+           {"op": "advance", "req": "b", "num_computed_tokens": 1, "append": [8]},
+           {"op": "free", "req": "a"},
+           {"op": "add_request", "req": "c", "prefix": {"req": "a", "len": 4}, "prompt": [9]}]
+    sources = prefix_sources(ops)
+    assert sources == {"a"}
+    for tr in (TraceTranslator(sources), TraceTranslator()):
+        msgs = [tr.message(op) for op in ops]
+        assert msgs[-1].prompt == [1, 2, 3, 4, 9]        # a's tokens, after its free too
+        assert msgs[0].prompt == [1, 2, 3]                # the message did not grow
+        assert ("b" in tr.tokens) is (tr.sources is None)
+    assert ops[0]["prompt"] == [1, 2, 3]                  # nor did the trace
