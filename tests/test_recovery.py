@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 
 import msgspec
 import pytest
@@ -113,6 +114,45 @@ async def test_a_coordinator_killed_right_after_its_welcome_is_reconnected_to(po
         assert await asyncio.wait_for(c.get_block_ids("run"), 20) == held
         assert calls == [True, True] and c.generation == 2 and len(c.restarts) == 1
         assert check_pool(pool_name).clean
+        await c.close()
+
+
+async def test_connections_always_lost_after_their_welcome_end_the_resume_on_its_schedule(
+        pool_name, monkeypatch):
+    real_open_wire = client_module.open_wire
+    with CoordinatorProcess(CFG, name=pool_name) as proc:
+        attempts = []
+
+        async def always_lost(path, hello, timeout):
+            wire, welcome = await real_open_wire(path, hello, timeout)
+            attempts.append(welcome.resumed)
+            wire.transport.close()
+            wire.fail(ConnectionLost("lost after its Welcome"))
+            return wire, welcome
+
+        c = await _client(proc, reconnect=Reconnect(initial_delay=0.05, max_delay=0.2,
+                                                    timeout=1.5))
+        await c.add_request("run", tokens(100, 110))
+        monkeypatch.setattr(client_module, "open_wire", always_lost)
+        proc.kill()
+        proc.restart()
+        # The first resume takes the session back and loses it: the
+        # coordinator ends a session whose connection closes, so the next
+        # attempts get fresh sessions (failing the calls waiting with
+        # ResumeFailed), lost in turn, until the policy's timeout.
+        outcomes, deadline = set(), time.monotonic() + 20
+        while time.monotonic() < deadline:
+            try:
+                await asyncio.wait_for(c.stats(), 20)
+            except ResumeFailed:
+                outcomes.add("resume failed")
+                continue
+            except ConnectionLost as e:
+                assert "did not come back within 1.5s" in str(e)
+                outcomes.add("gave up")
+                break
+        assert outcomes == {"resume failed", "gave up"} and not c.connected
+        assert attempts[0] and 3 <= len(attempts) <= 12   # backed off, then gave up
         await c.close()
 
 

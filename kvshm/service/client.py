@@ -225,8 +225,9 @@ class Client(ClientSession):
         the connection meanwhile cancels this and starts over."""
         flight = self._flight
         try:
+            backoff = Backoff(self.reconnect, err)
             while True:
-                welcome = await self._reconnect(err)
+                welcome = await self._reconnect(backoff)
                 settled = (flight.resumed(welcome, self._wire.decoder.decode)
                            if welcome.resumed else flight.fresh_session(welcome))
                 for call in settled:
@@ -236,8 +237,8 @@ class Client(ClientSession):
                 # Lost between its Welcome and now, while nothing watched it
                 # (a coordinator killed just after answering): nothing would
                 # say so, and a write would go nowhere.  Again, from this
-                # Welcome's state.
-                err = self._wire.lost
+                # Welcome's state, on the same schedule.
+                await asyncio.sleep(backoff.next_delay(self._wire.lost))
             if not welcome.resumed:
                 self._resumed.set()
                 return
@@ -258,10 +259,9 @@ class Client(ClientSession):
             if self._resuming is asyncio.current_task():
                 self._resuming = None
 
-    async def _reconnect(self, err: Exception) -> p.Welcome:
+    async def _reconnect(self, backoff: Backoff) -> p.Welcome:
         policy = self.reconnect
         hello = resume_hello(self._hello, self.resume_token, self._flight)
-        backoff = Backoff(policy, err)
         while True:
             if self._closed:
                 raise ConnectionClosed("the client closed this connection")
