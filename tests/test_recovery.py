@@ -85,30 +85,46 @@ async def test_sigkill_of_the_coordinator_is_a_pause(pool_name):
     assert segment_info(pool_name) is None
 
 
+def lose_after_welcome(monkeypatch, lose) -> list[bool]:
+    """From now on, the client's `open_wire` calls `lose(hello, n)` after
+    the n-th Welcome; when it returns a reason, the connection is closed and
+    lost with it before the client takes it over (as a `connection_lost`
+    that came first).  Returns each Welcome's `resumed`, in order."""
+    real_open_wire = client_module.open_wire
+    resumed: list[bool] = []
+
+    async def open_wire_then_lose(path, hello, timeout):
+        wire, welcome = await real_open_wire(path, hello, timeout)
+        resumed.append(welcome.resumed)
+        why = lose(hello, len(resumed))
+        if why:
+            wire.transport.close()
+            wire.fail(ConnectionLost(why))
+        return wire, welcome
+
+    monkeypatch.setattr(client_module, "open_wire", open_wire_then_lose)
+    return resumed
+
+
 async def test_a_coordinator_killed_right_after_its_welcome_is_reconnected_to(pool_name,
                                                                              monkeypatch):
     """The connection of a resume is lost after the Welcome arrived but
     before the client took it over (a coordinator SIGKILLed just then, as a
     soak that kills every 2 s on a loaded machine does): the client must
     not write to the dead connection and wait for ever; it starts over."""
-    real_open_wire = client_module.open_wire
     with CoordinatorProcess(CFG, name=pool_name) as proc:
-        calls = []
-
-        async def dies_after_welcome(path, hello, timeout):
-            wire, welcome = await real_open_wire(path, hello, timeout)
-            calls.append(welcome.resumed)
-            if len(calls) == 1:
+        def kill_after_first(hello, n):
+            if n == 1:
                 proc.kill()
-                wire.fail(ConnectionLost("killed after its Welcome"))   # as connection_lost
-                proc.restart()
-            return wire, welcome
+                proc.restart()   # (blocking: the dead connection's loss is not seen yet)
+                return "killed after its Welcome"
+            return None
 
         c = await _client(proc)
         await c.add_request("run", tokens(100, 110))
         await c.allocate_slots("run", 10)
         held = await c.get_block_ids("run")
-        monkeypatch.setattr(client_module, "open_wire", dies_after_welcome)
+        calls = lose_after_welcome(monkeypatch, kill_after_first)
         proc.kill()
         proc.restart()
         assert await asyncio.wait_for(c.get_block_ids("run"), 20) == held
@@ -119,21 +135,11 @@ async def test_a_coordinator_killed_right_after_its_welcome_is_reconnected_to(po
 
 async def test_connections_always_lost_after_their_welcome_end_the_resume_on_its_schedule(
         pool_name, monkeypatch):
-    real_open_wire = client_module.open_wire
     with CoordinatorProcess(CFG, name=pool_name) as proc:
-        attempts = []
-
-        async def always_lost(path, hello, timeout):
-            wire, welcome = await real_open_wire(path, hello, timeout)
-            attempts.append(welcome.resumed)
-            wire.transport.close()
-            wire.fail(ConnectionLost("lost after its Welcome"))
-            return wire, welcome
-
         c = await _client(proc, reconnect=Reconnect(initial_delay=0.05, max_delay=0.2,
                                                     timeout=1.5))
         await c.add_request("run", tokens(100, 110))
-        monkeypatch.setattr(client_module, "open_wire", always_lost)
+        attempts = lose_after_welcome(monkeypatch, lambda hello, n: "lost after its Welcome")
         proc.kill()
         proc.restart()
         # The first resume takes the session back and loses it: the
@@ -159,16 +165,9 @@ async def test_connections_always_lost_after_their_welcome_end_the_resume_on_its
 @pytest.mark.parametrize("resume", [True, False])
 async def test_a_connection_lost_right_after_the_first_welcome_is_not_waited_on(
         pool_name, monkeypatch, resume):
-    real_open_wire = client_module.open_wire
     with CoordinatorProcess(CFG, name=pool_name) as proc:
-        async def lost_after_welcome(path, hello, timeout):
-            wire, welcome = await real_open_wire(path, hello, timeout)
-            if not hello.resume_token:
-                wire.transport.close()
-                wire.fail(ConnectionLost("lost after its Welcome"))
-            return wire, welcome
-
-        monkeypatch.setattr(client_module, "open_wire", lost_after_welcome)
+        lose_after_welcome(monkeypatch, lambda hello, n: None if hello.resume_token
+                           else "lost after its Welcome")
         c = await _client(proc, resume=resume)
         if resume:
             # It reconnects; the coordinator ended the closed session, so the
