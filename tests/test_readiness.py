@@ -275,6 +275,43 @@ def test_admit_waits_for_tokens_in_flight_and_a_dead_writer_ends_the_wait():
         assert bad.__class__ is p.Error and "wait_in_flight" in bad.message
 
 
+def test_a_lookup_that_holds_its_request_back_is_not_counted():
+    """On a pool of 0.14's semantics every lookup counts, except one that
+    holds its request back for tokens in flight (Admit's wait_in_flight,
+    GetComputedBlocks' hold_at): the request is looked up again, and only
+    the lookup that admits it counts."""
+    prompt = tokens(0, 30)
+    with _mgr() as mgr:
+        ex = OpExecutor(mgr)
+        writer, reader = ex.lifecycle.open(1), ex.lifecycle.open(2)
+        for owner, rid in ((writer, "w"), (reader, "r")):
+            assert ex.execute(owner, p.AddRequest(rid, prompt)) == p.Done()
+        ex.execute(writer, p.Admit("w", 16))             # 16 tokens in flight
+        start = dict(mgr.prefix_cache_stats)
+
+        def counted():
+            now = mgr.prefix_cache_stats
+            return tuple(now[k] - start[k] for k in ("queries", "query_tokens", "hit_tokens"))
+
+        for _ in range(3):
+            assert ex.execute(reader, p.Admit("r", 30, wait_in_flight=8)).new_block_ids is None
+            r = ex.execute(reader, p.GetComputedBlocks("r", hold_at=16))
+            assert r.num_in_flight_tokens == 16
+        assert counted() == (0, 0, 0)
+        # Fewer in flight than hold_at: it will not wait, so it counts.
+        ex.execute(reader, p.GetComputedBlocks("r", hold_at=17))
+        assert counted() == (1, 30, 0)
+        ex.execute(reader, p.GetComputedBlocks("r"))     # (0: every lookup counts)
+        assert counted() == (2, 60, 0)
+        ex.execute(writer, p.Advance("w", 16))
+        r = ex.execute(reader, p.Admit("r", 30, wait_in_flight=8))
+        assert r.num_computed_tokens == 16 and r.new_block_ids is not None
+        assert counted() == (3, 90, 16)
+        bad = ex.execute(reader, p.GetComputedBlocks("r", hold_at=-1))
+        assert bad.__class__ is p.Error and "hold_at" in bad.message
+        assert counted() == (3, 90, 16)
+
+
 # -- processes: a SIGKILLed writer, a coordinator restart ---------------------------------
 WRITER = textwrap.dedent("""
     import asyncio, sys

@@ -113,6 +113,64 @@ def test_a_lookup_of_tokens_in_flight_waits_then_hits_them(proc, skips):
         b.client.close()
 
 
+@pytest.mark.parametrize("skips", [True, False], ids=["skipped", "allocation-none"])
+def test_a_request_held_for_tokens_in_flight_counts_once_in_the_pool_s_stats(proc, skips):
+    """The lookups that hold a request back (each poll while it waits) are
+    not counted; the one that admits it is, with the hits it found (an
+    engine on its own cache would have looked it up once)."""
+    prompt = tokens(0, 20)                   # 5 full blocks of 4
+    with connect_sync(proc.socket, hash_algorithm=CFG.hash_algorithm,
+                      hash_seed=CFG.hash_seed) as writer:
+        writer.add_request("w", prompt)
+        assert writer.allocate_slots("w", 20) is not None   # in flight
+        b = backend(proc, wait_in_flight=8, in_flight_deadline=30, in_flight_poll=0.001)
+        b.skips_waiting = skips
+        start = writer.stats()
+        req = VllmRequest("r", prompt + tokens(100, 103), b.client.make_hasher())
+        for _ in range(5):
+            hits, n, _ = b.get_computed_blocks(req)
+            assert b.holds("r") and n == 0
+            if skips:
+                assert b.waits("r")
+            else:
+                assert allocate(b, req, hits, 0) is None
+            time.sleep(0.002)
+        held = writer.stats()
+        assert (held.queries, held.query_tokens) == (start.queries, start.query_tokens)
+        writer.advance("w", 20)
+        hits, n, _ = b.get_computed_blocks(req)
+        assert n == 20 and not b.holds("r") and not b.waits("r")
+        assert allocate(b, req, hits, 20) is not None
+        end = writer.stats()
+        assert (end.queries - start.queries, end.query_tokens - start.query_tokens,
+                end.hits - start.hits, end.hit_tokens - start.hit_tokens) == (1, 23, 1, 20)
+        b.free(req)
+        writer.free("w")
+        b.client.close()
+
+
+def test_a_request_past_its_wait_s_deadline_is_counted_with_what_it_found(proc):
+    prompt = tokens(0, 20)
+    with connect_sync(proc.socket, hash_algorithm=CFG.hash_algorithm,
+                      hash_seed=CFG.hash_seed) as writer:
+        writer.add_request("w", prompt)
+        writer.allocate_slots("w", 20)
+        b = backend(proc, wait_in_flight=8, in_flight_deadline=0.05, in_flight_poll=0.001)
+        b.skips_waiting = True
+        start = writer.stats()
+        req = VllmRequest("r", prompt, b.client.make_hasher())
+        b.get_computed_blocks(req)
+        assert b.waits("r")
+        time.sleep(0.08)
+        hits, n, _ = b.get_computed_blocks(req)   # past its budget: computes them itself
+        assert not b.holds("r") and not b.waits("r")
+        end = writer.stats()
+        assert (end.queries - start.queries, end.query_tokens - start.query_tokens) == (1, 20)
+        b.free(req)
+        writer.free("w")
+        b.client.close()
+
+
 def test_a_waiting_request_computes_the_tokens_itself_at_its_deadline(proc):
     prompt = tokens(0, 20)
     with connect_sync(proc.socket, hash_algorithm=CFG.hash_algorithm,

@@ -186,12 +186,18 @@ class KVCacheManagerCore:
         q, h, qt, ht = self.block_pool.stats
         return {"queries": q, "hits": h, "query_tokens": qt, "hit_tokens": ht}
 
-    def get_computed_blocks(self, request: Request) -> tuple[BlockIds, int]:
+    def get_computed_blocks(self, request: Request, hold_at: int = 0) -> tuple[BlockIds, int]:
         """Prefix-cache hit of a waiting request: (blocks per group, tokens).
 
         Never covers the last token; changes no block state.  With
         readiness, `num_in_flight_tokens` then says how many tokens past the
         hit other sessions are writing now.
+
+        `hold_at`: where the release counts every lookup (0.14), a lookup
+        that finds at least this many tokens in flight is not counted: its
+        caller holds the request back until they are written and looks it
+        up again, and only the lookup that admits it counts, as on an
+        engine's own cache (0: every lookup counts).
         """
         self.num_in_flight_tokens = self.shared_prefix_boundary = 0
         if not self.enable_caching or request.skip_reading_prefix_cache:
@@ -204,7 +210,8 @@ class KVCacheManagerCore:
             n + uncached if uncached else 0)
         if self.block_pool.pending:
             self.num_in_flight_tokens = self.groups.in_flight_tokens
-        if not self.semantics.stats_at_admission:
+        if not self.semantics.stats_at_admission and not (
+                hold_at and self.num_in_flight_tokens >= hold_at):
             self._begin()
             self.block_pool.record_lookup(request.num_tokens, n)
             self._end()

@@ -368,8 +368,10 @@ class OpExecutor:
         st = self.requests.get(op.req)
         if st is None or st.owner is not owner or st.request is None:
             st = self._owned(owner, op.req)   # raises, saying why
+        if op.hold_at:
+            check_count("hold_at", op.hold_at, MAX_COUNT)
         mgr = self.mgr
-        blocks, n = mgr.get_computed_blocks(st.request)
+        blocks, n = mgr.get_computed_blocks(st.request, op.hold_at)
         st.hits = blocks
         return p.ComputedBlocks(blocks, n, mgr.num_in_flight_tokens, mgr.shared_prefix_boundary)
 
@@ -412,7 +414,8 @@ class OpExecutor:
             raise InvalidArgument(f"request {op.req!r} already has "
                                   f"{req.num_computed_tokens} computed tokens; Admit is "
                                   "for a waiting request (free it with preempted=true first)")
-        hits, num_hit = mgr.get_computed_blocks(req)
+        # (a lookup that holds the request back is not counted: hold_at)
+        hits, num_hit = mgr.get_computed_blocks(req, op.wait_in_flight)
         in_flight = mgr.num_in_flight_tokens
         n = min(op.max_new_tokens, req.num_tokens - num_hit)
         if 0 < op.wait_in_flight <= in_flight:    # it waits for them: nothing allocated

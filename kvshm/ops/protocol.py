@@ -142,6 +142,10 @@ class Advance(_Op, tag="advance"):
 
 class GetComputedBlocks(_Op, tag="hits"):
     req: str
+    # A lookup finding this many tokens in flight or more is not counted in
+    # the pool's prefix-cache stats: the engine holds the request back and
+    # looks it up again (0: counted; KVCacheManagerCore.get_computed_blocks).
+    hold_at: int = 0
 
 
 class AllocateSlots(_Op, tag="alloc"):

@@ -48,6 +48,7 @@ class Backend(Protocol):
     def usage(self) -> float: ...
     def block_hash(self, block_id: int) -> bytes | None: ...
     def get_computed_blocks(self, request) -> tuple[list[list[int]], int, int]: ...
+    def holds(self, request_id: str) -> bool: ...
     def allocate_slots(self, request, num_new_tokens, num_new_computed_tokens, hits,
                        num_lookahead_tokens, num_external_computed_tokens,
                        delay_cache_blocks, num_encoder_tokens,
@@ -93,6 +94,9 @@ class EmbeddedBackend:
         m = self.manager
         hits, n = m.get_computed_blocks(request)
         return hits, n, m.shared_prefix_boundary
+
+    def holds(self, request_id: str) -> bool:
+        return False                 # nothing is in flight on an engine's own pool
 
     def start_events(self) -> None:
         self.manager.enable_events()

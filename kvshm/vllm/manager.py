@@ -107,7 +107,10 @@ class PoolKVCacheManager:
         if not self.enable_caching or request.skip_reading_prefix_cache:
             return self.empty_kv_cache_blocks, 0
         ids, n, _ = self.backend.get_computed_blocks(request)
-        if self.log_stats:
+        # A lookup that holds the request back to wait for a prefix another
+        # engine is computing is looked up again: only the one that admits
+        # it counts, as on the engine's own cache.
+        if self.log_stats and not self.backend.holds(request.request_id):
             self.prefix_cache_stats.record(num_tokens=request.num_tokens, num_hits=n,
                                            preempted=request.num_preemptions > 0)
         return self.create_kv_cache_blocks(ids), n

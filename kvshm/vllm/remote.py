@@ -93,10 +93,10 @@ class RemoteBackend:
         self.wait_in_flight = wait_in_flight
         self.in_flight_deadline = in_flight_deadline
         self.in_flight_poll = in_flight_poll
-        # Per waiting request: the tokens in flight its last lookup saw,
-        # until when it may wait for them, and its last lookup (when, and
-        # its answer).
-        self._in_flight: dict[str, int] = {}
+        # Per waiting request: the tokens in flight of its last lookup when
+        # that lookup holds it back, until when it may wait for them, and its
+        # last lookup (when, and its answer).
+        self._holds: dict[str, int] = {}
         self._wait_until: dict[str, float] = {}
         self._looked_up: dict[str, tuple[float, list[list[int]], int, int, int]] = {}
         self.in_flight_waits = 0     # requests that waited for tokens in flight
@@ -194,47 +194,70 @@ class RemoteBackend:
     # -- the manager's calls ---------------------------------------------------------------
     def get_computed_blocks(self, request) -> tuple[list[list[int]], int, int]:
         rid = request.request_id
+        now = time.monotonic()
         last = self._looked_up.get(rid) if rid in self._wait_until else None
         if last is not None:
             when, ids, n, boundary, in_flight = last
-            now = time.monotonic()
             if now < when + self.in_flight_poll:
                 # Skipped (the step's end sleeps if nothing ran), or other
                 # requests run this step: the last answer stands.
                 if self.skips_waiting or self._step_start:
-                    self._in_flight[rid] = in_flight
+                    self._decide(rid, self.wait_in_flight if self._may_hold(rid, now) else 0,
+                                 in_flight)
                     return ids, n, boundary
                 if not self._report:             # else this step would be empty
                     time.sleep(when + self.in_flight_poll - now)
-        r = self._run(self._sync(request) + [p.GetComputedBlocks(rid)])
-        if r.num_in_flight_tokens:
-            self._in_flight[rid] = r.num_in_flight_tokens
+                    now = time.monotonic()
+        # A lookup that holds the request back is not counted in the pool's
+        # prefix-cache stats (nor in the engine's: `holds`); the one that
+        # admits it is, so each request counts once, as on the engine's own
+        # cache.
+        hold_at = self.wait_in_flight if self._may_hold(rid, now) else 0
+        r = self._run(self._sync(request) + [p.GetComputedBlocks(rid, hold_at)])
+        in_flight = r.num_in_flight_tokens
+        self._decide(rid, hold_at, in_flight)
+        if in_flight:
             self._looked_up[rid] = (time.monotonic(), r.block_ids, r.num_computed_tokens,
-                                    r.shared_prefix_boundary, r.num_in_flight_tokens)
+                                    r.shared_prefix_boundary, in_flight)
         else:
-            self._in_flight.pop(rid, None)
             self._looked_up.pop(rid, None)
         return r.block_ids, r.num_computed_tokens, r.shared_prefix_boundary
 
+    def _may_hold(self, rid: str, now: float) -> bool:
+        """Whether a lookup of `rid` now may hold it back: waits are on and
+        its wait (if it has begun one) is not past its budget."""
+        if not self.wait_in_flight:
+            return False
+        until = self._wait_until.get(rid)
+        return until is None or now < until
+
+    def _decide(self, rid: str, hold_at: int, in_flight: int) -> None:
+        """Record whether the lookup just made holds `rid` back (`waits`
+        answers it): at least `hold_at` (> 0) tokens are in flight."""
+        if hold_at and in_flight >= hold_at:
+            self._holds[rid] = in_flight
+        else:
+            self._holds.pop(rid, None)
+
+    def holds(self, rid: str) -> bool:
+        """Whether the last lookup of `rid` holds it back to wait for tokens
+        in flight (such a lookup is not counted in the prefix-cache stats)."""
+        return rid in self._holds
+
     def waits(self, rid: str) -> bool:
         """Whether the waiting request `rid`, just looked up, waits for its
-        tokens in flight (until its deadline) instead of being allocated now."""
-        n = self._in_flight.pop(rid, 0)
-        if not 0 < self.wait_in_flight <= n:
+        tokens in flight (until its deadline) instead of being allocated now:
+        its lookup's decision (`holds`); the first one starts the wait's
+        budget."""
+        n = self._holds.pop(rid, 0)
+        if not n:
             self._wait_until.pop(rid, None)
             self._looked_up.pop(rid, None)
             return False
-        now = time.monotonic()
-        until = self._wait_until.get(rid)
-        if until is None:
-            self._wait_until[rid] = now + self.wait_budget(n)
+        if rid not in self._wait_until:
+            self._wait_until[rid] = time.monotonic() + self.wait_budget(n)
             self.in_flight_waits += 1
-            return True
-        if now < until:
-            return True
-        del self._wait_until[rid]
-        self._looked_up.pop(rid, None)
-        return False
+        return True
 
     @property
     def token_cost(self) -> float | None:
@@ -265,8 +288,9 @@ class RemoteBackend:
         rid = request.request_id
         # The last allocation of a step is the end of its scheduling.
         self._scheduled_at = time.monotonic()
-        if not self.skips_waiting and self._in_flight and self.waits(rid):
-            return None                              # (only lookups set _in_flight)
+        if (not self.skips_waiting and (self._holds or self._wait_until)
+                and self.waits(rid)):
+            return None
         total = request.num_computed_tokens + num_new_computed_tokens
         if (hits is None and not num_external_computed_tokens and not num_encoder_tokens
                 and not waiting and not reserved_blocks
@@ -397,7 +421,7 @@ class RemoteBackend:
             raise self._lost
         rid = request.request_id
         self._step_start.pop(rid, None)
-        self._in_flight.pop(rid, None)
+        self._holds.pop(rid, None)
         self._wait_until.pop(rid, None)
         self._looked_up.pop(rid, None)
         if self._mirror is not None:
