@@ -19,8 +19,8 @@ from kvshm import __version__
 from kvshm.core.errors import KvshmError
 
 # The commands in the order `kvshm --help` lists them: command -> module.
-COMMANDS = ("run", "replay", "events", "serve", "metrics", "top", "stats", "check", "ls",
-            "rm", "demo")
+COMMANDS = ("run", "host", "replay", "events", "serve", "metrics", "top", "stats", "check",
+            "ls", "rm", "demo")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -32,13 +32,20 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--version", action="version", version=f"kvshm {__version__}")
     sub = ap.add_subparsers(dest="command")   # none: main() prints the help
     for command in COMMANDS:
-        # Imported here, not at the top: `main` defers stop signals before a
-        # coordinator's start-up imports (kvshm serve).
-        module = importlib.import_module(f"kvshm.cli.{command}")
+        module = _module(command)
         p = sub.add_parser(command, help=module.HELP)
         module.add_arguments(p)
         p.set_defaults(fn=module.main)
     return ap
+
+
+def _module(command: str):
+    """The module of `command` (None for a word that is not one).
+    Imported here, not at the top: `main` defers stop signals before a
+    coordinator's start-up imports (kvshm serve)."""
+    if command not in COMMANDS:
+        return None
+    return importlib.import_module(f"kvshm.cli.{command}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -47,7 +54,15 @@ def main(argv: list[str] | None = None) -> int:
         from kvshm.service.process import defer_stop_signals   # before the heavy imports
         defer_stop_signals()
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # A command whose module says PASSES_ARGS takes the arguments after `--`
+    # as they are, for the program it starts (`kvshm host ... -- VLLM_ARGS`).
+    passed: list[str] = []
+    if "--" in argv and getattr(_module(argv[0]), "PASSES_ARGS", False):
+        cut = argv.index("--")
+        argv, passed = argv[:cut], argv[cut + 1:]
     args = parser.parse_args(argv)
+    args.passed_args = passed
     if args.command is None:   # a usage error: the help, on stderr, exit 2
         parser.print_help(sys.stderr)
         return 2

@@ -13,7 +13,6 @@ inside vLLM processes only.
 from __future__ import annotations
 
 import atexit
-import logging
 import math
 import os
 import time
@@ -23,9 +22,7 @@ from kvshm.core.errors import ConfigError, PoolRefused
 from kvshm.core.hashing import BlockHasher, VLLM_HASH_ALGORITHMS
 from kvshm.core.specs import PoolConfig, is_pythonhashseed
 from kvshm.pool.kv_cache_manager import KVCacheManager
-from kvshm.vllm.release import vllm_release
-
-log = logging.getLogger("kvshm.vllm")
+from kvshm.vllm.release import log, vllm_release
 
 EMBEDDED = "embedded"
 

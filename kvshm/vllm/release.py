@@ -3,7 +3,13 @@
 
 from __future__ import annotations
 
+import logging
 import os
+
+# The plugin's log: a child of vLLM's own logger, so its lines go out with
+# vLLM's handler, format and level in every vLLM process (a logger of its
+# own would have no handler, and its info lines would be dropped).
+log = logging.getLogger("vllm.kvshm")
 
 # The vLLM releases whose scheduler, manager interface and KV events the
 # plugin speaks (a local label such as "+cpu" is ignored).

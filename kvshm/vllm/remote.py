@@ -48,7 +48,6 @@ though).
 
 from __future__ import annotations
 
-import logging
 import time
 
 from kvshm.core.block_pool import hashed_tokens
@@ -62,8 +61,7 @@ from kvshm.ops import protocol as p
 from kvshm.ops.errors import Forbidden, ReplyLost, ResumeFailed
 from kvshm.pool.segment import PoolSegment
 from kvshm.service.sync_client import SyncClient
-
-log = logging.getLogger("kvshm.vllm")
+from kvshm.vllm.release import log
 
 # Groups whose block list is exactly the hits plus what each allocation
 # added (no window drops blocks, no sink blocks): the backend keeps a
