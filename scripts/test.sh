@@ -41,7 +41,7 @@ run_pytest() {
   return "$status"
 }
 
-VLLM_TESTS=(tests/test_vllm.py tests/test_vllm_032.py)
+VLLM_TESTS=(tests/test_vllm.py tests/test_vllm_032.py tests/test_vllm_host.py)
 if [ "$#" -gt 0 ]; then
   KVSHM_VLLM_PYTHON=$(./scripts/vllm_env.sh | tail -n 1)
   KVSHM_VLLM_032_PYTHON=$(./scripts/vllm_env.sh 0.32.0 | tail -n 1)

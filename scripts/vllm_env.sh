@@ -46,9 +46,9 @@ case "$VLLM_VERSION" in
     echo "vllm_env.sh: vLLM $VLLM_VERSION is not one kvshm supports (0.14.0, 0.32.0)" >&2
     exit 2 ;;
 esac
-# Engines need kvshm and ml_dtypes (bfloat16 arenas), not the test tools:
-# pytest runs in .venv.
-KVSHM_EXTRAS=${KVSHM_VLLM_EXTRAS:-bf16,plot}
+# Engines need kvshm and ml_dtypes (bfloat16 arenas), and `kvshm host` its
+# front door (vllm-router), not the test tools: pytest runs in .venv.
+KVSHM_EXTRAS=${KVSHM_VLLM_EXTRAS:-bf16,plot,router}
 source "$REPO/scripts/_venv.sh"
 
 stamp="$VENV/.vllm-installed"
