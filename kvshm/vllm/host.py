@@ -38,10 +38,11 @@ from pathlib import Path
 
 from kvshm.core.errors import ConfigError
 from kvshm.core.specs import PoolConfig
+from kvshm.service.handshake import default_socket_path
 from kvshm.service.process import CoordinatorProcess, die_with_parent
 from kvshm.vllm.engine import rendezvous_port
 from kvshm.vllm.release import vllm_cache_root
-from kvshm.workers.topology import Plan, discover, format_cpulist, plan
+from kvshm.workers.topology import Plan, discover, format_cpulist, pin, plan
 
 # The front door's routing policies (vllm-router's names), "none" for none.
 ROUTER_POLICIES = ("round_robin", "power_of_two", "cache_aware", "random", "none")
@@ -178,6 +179,7 @@ class Host:
         self.engines = [Engine(i, cpus[i], first + i, self.log_dir / f"engine-{i}.log")
                         for i in range(n)]
         self.coordinator: CoordinatorProcess | None = None
+        self.socket = default_socket_path(opts.name)   # where `kvshm serve --name` listens
         self.router: subprocess.Popen | None = None
         self.router_log = self.log_dir / "router.log"
         self.restarts: list[dict] = []
@@ -215,6 +217,7 @@ class Host:
             self.coordinator = CoordinatorProcess(cfg, name=opts.name, new_session=True,
                                                   with_parent=True, default_socket=True)
             self.coordinator.wait_ready(timeout=60)
+            self._pin_coordinator()
             self.say(f"pool {opts.name!r}: {cfg.num_blocks} blocks of "
                      f"{cfg.groups[0].block_size} tokens, vLLM {cfg.vllm_version} semantics, "
                      f"socket {self.coordinator.socket}")
@@ -251,7 +254,7 @@ class Host:
         env = dict(os.environ)
         env.pop("KVSHM_POOL", None)
         if opts.mode == "pool":
-            env["KVSHM_POOL"] = str(self.coordinator.socket)
+            env["KVSHM_POOL"] = str(self.socket)
             env["KVSHM_NODE"] = str(e.index)
         arena = cfg.num_blocks * cfg.kv_block_bytes
         if opts.mode == "own":
@@ -330,10 +333,16 @@ class Host:
         how = exit_text(c.proc.returncode)
         c.restart(wait=False)
         c.wait_ready(timeout=60)
+        self._pin_coordinator()
         ms = int((time.monotonic() - died) * 1000)
         self.restarts.append({"exit": how, "ready_ms": ms})
         self.say(f"the coordinator exited with {how}; restarted, it adopted the pool in "
                  f"{ms} ms (the engines' sessions resume)")
+
+    def _pin_coordinator(self) -> None:
+        """On the CPU the plan keeps for it, if it keeps one."""
+        if self.plan is not None and self.plan.coordinator_cpus:
+            pin(self.plan.coordinator_cpus, self.coordinator.proc.pid)
 
     def serve_forever(self, period: float = 0.5) -> None:
         """Supervise until stopped (a signal's handler raises) or the host
