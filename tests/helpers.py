@@ -130,12 +130,22 @@ def leftovers(before: set[str]) -> list[str]:
     """Segments that appeared since `before` and were left by this run: owned
     by this process or by a process that died (a live segment of another
     program on the host is not ours to judge)."""
-    out = []
-    for name in sorted(kvshm_segments() - before):
+    def left(name: str) -> bool:
         info = segment_info(name)
-        if info is None or info["pid"] == os.getpid() or not info["alive"]:
-            out.append(name)
-    return out
+        return info is None or info["pid"] == os.getpid() or not info["alive"]
+
+    found = [name for name in sorted(kvshm_segments() - before) if left(name)]
+    if found:
+        # A test running beside this one may be creating a segment (no header
+        # yet) or restarting the coordinator it killed (which adopts the
+        # segment in a moment): a leftover is one that stays so.
+        time.sleep(LEFTOVER_GRACE)
+        found = [name for name in found if name in kvshm_segments() and left(name)]
+    return found
+
+
+# Seconds a segment must stay without a live owner to be a leftover.
+LEFTOVER_GRACE = 3.0
 
 
 def check_pool(name: str):

@@ -193,3 +193,42 @@ def test_the_host_serves_rides_through_a_coordinator_kill_and_stops_clean(releas
             proc.wait()
         reader.join(timeout=10)
         proc.stdout.close()
+
+
+def quickstart(path: Path) -> str:
+    """The serving quickstart's shell block in README.md or docs/vllm.md."""
+    text = path.read_text()
+    marker = "tests/test_vllm_host.py::test_the_serving_quickstart_runs_as_written"
+    start = text.index("```sh\n", text.index(marker)) + len("```sh\n")
+    return text[start:text.index("```", start)]
+
+
+@pytest.mark.serial   # the quickstart's ports (8000-8002) and pool name are the defaults
+def test_the_serving_quickstart_runs_as_written(release, tmp_path):
+    """The README's and docs/vllm.md's quickstart (the same block), in a
+    shell of the release's environment: both requests answered, the second
+    one's prefix a hit from the other engine's K/V in the pool and in that
+    engine's own counters, everything stopped, nothing left behind."""
+    commands = quickstart(REPO / "README.md")
+    assert commands == quickstart(REPO / "docs" / "vllm.md")
+    before = set(kvshm_segments())
+    proc = subprocess.Popen(["bash", "-e", "-c", commands], cwd=tmp_path, env=user_env(release),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=START_TIMEOUT + 120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    log = (tmp_path / "host.log").read_text()
+    assert proc.returncode == 0, f"{err[-3000:]}\n{log[-3000:]}"
+    completions = [json.loads(ln) for ln in out.splitlines() if ln.startswith("{")]
+    assert [c["usage"]["prompt_tokens"] for c in completions] == [601, 601]
+    assert "512 of 1,202 tokens hit" in out, out
+    queries = [float(v) for v in re.findall(r"prefix_cache_queries_total\{.*\} (\S+)", out)]
+    hits = [float(v) for v in re.findall(r"prefix_cache_hits_total\{.*\} (\S+)", out)]
+    assert sorted(queries) == [601, 601] and sorted(hits) == [0, 512], out
+    assert "kvshm host: stopped" in log
+    assert set(kvshm_segments()) <= before
+    assert not default_socket_path("kvshm").exists()
