@@ -256,6 +256,11 @@ def test_an_engine_alone_on_a_pool_gets_vllm_s_hits(model_dir, tmp_path, pool, r
     # Token for token and hit for hit what vLLM's own manager gives.
     assert outputs(alone) == outputs(own)
     assert alone["counters"] == own["counters"]
+    # The pool's own figures count the same lookups (a fresh pool: this
+    # engine's alone).
+    st = pool_stats(pool)
+    assert (st["query_tokens"], st["hit_tokens"]) == (
+        own["counters"]["prefix_cache_queries"], own["counters"]["prefix_cache_hits"])
     # Open loop: the same tokens as in the burst, each first token timed
     # from the request's own arrival, not from the phase's start.
     for report in (own, alone):
@@ -296,6 +301,14 @@ def test_a_request_waiting_for_a_prefix_in_flight_lets_the_requests_behind_run(
     assert b["plugin"]["skips_waiting"] and b["plugin"]["in_flight_waits"] == 1
     assert b["plugin"]["in_flight_skips"] > 0
     assert outputs(b) == outputs(own)
+    # The held request is counted once, although it was looked up at every
+    # step it waited: the engine's counters are its own cache's, and the
+    # pool's (a fresh pool: engine B's lookups alone) the same.
+    assert b["counters"] == own["counters"]
+    assert own["counters"]["prefix_cache_queries"] == len(held) + 2 + len(other)
+    st = pool_stats(pool)
+    assert (st["query_tokens"], st["hit_tokens"]) == (
+        own["counters"]["prefix_cache_queries"], own["counters"]["prefix_cache_hits"])
     assert pool_stats(pool)["num_requests"] == 0
 
 
