@@ -187,3 +187,31 @@ def test_the_tokenizer_has_one_word_per_id_and_the_special_tokens_first():
 def test_the_model_directory_holds_the_tokenizer(model):
     assert {p.name for p in model.iterdir()} == {
         "config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"}
+
+
+def test_a_coordinator_that_does_not_come_back_stops_the_host_naming_it(model, tmp_path):
+    class Dead:
+        returncode = -9
+
+        def poll(self):
+            return self.returncode
+
+    class Coordinator:
+        proc = Dead()
+
+        def restart(self, wait=True):
+            pass
+
+        def wait_ready(self, timeout=20.0):
+            raise RuntimeError("coordinator did not start within 60s: SegmentError: ...")
+
+        def stop(self, owns_pool=False):
+            return 0
+
+    h = Host(options(model, tmp_path))
+    h.coordinator = Coordinator()
+    with pytest.raises(host.HostError, match="exited with signal SIGKILL and did not come "
+                       "back: coordinator did not start"):
+        h.poll()
+    assert h.failed
+    h.stop()

@@ -331,8 +331,13 @@ class Host:
             return
         died = time.monotonic()
         how = exit_text(c.proc.returncode)
-        c.restart(wait=False)
-        c.wait_ready(timeout=60)
+        try:
+            c.restart(wait=False)
+            c.wait_ready(timeout=60)
+        except (OSError, RuntimeError) as e:
+            self.failed = True
+            raise HostError(f"the coordinator exited with {how} and did not come back: "
+                            f"{e}") from None
         self._pin_coordinator()
         ms = int((time.monotonic() - died) * 1000)
         self.restarts.append({"exit": how, "ready_ms": ms})
