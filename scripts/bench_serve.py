@@ -46,6 +46,7 @@ from pathlib import Path
 
 from bench_common import RESULTS, cpu_seconds, write_results
 from kvshm.config import PoolSource, resolve_config
+from kvshm.core.metrics import percentile
 from kvshm.pool.segment import PoolSegment
 from kvshm.pool.stats import read_stats
 from kvshm.vllm.host import Host, HostOptions
@@ -97,6 +98,41 @@ def best_hit_rates(args, block: int, engines: int) -> dict[str, float]:
     own_computes = args.num_prefixes * min(engines, per)
     return {"shared": (prompts - args.num_prefixes) * whole / tokens,
             "per_engine": (prompts - own_computes) * whole / tokens}
+
+
+def prefix_classes(args, model: str, engines: int) -> list[str]:
+    """What each request of the dataset, in the order the client sends
+    them, is to the caches: `first` (its prefix's first request on the
+    host), `other engine` (the first on its engine under round robin, its
+    prefix seen before on another one: a miss on caches of their own, a
+    hit on a pool) or `seen` (seen before on its engine).  The dataset is
+    drawn again as the client draws it (vLLM's own sampler, the same seed)."""
+    from transformers import AutoTokenizer
+    from vllm.benchmarks.datasets import PrefixRepetitionRandomDataset
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    samples = PrefixRepetitionRandomDataset(random_seed=args.seed).sample(
+        tokenizer=tokenizer, num_requests=args.num_prompts, prefix_len=args.prefix_len,
+        suffix_len=args.suffix_len, num_prefixes=args.num_prefixes,
+        output_len=args.output_len)
+    host, per_engine, out = set(), [set() for _ in range(engines)], []
+    for i, sample in enumerate(samples):
+        prefix = tuple(tokenizer.encode(sample.prompt, add_special_tokens=False)
+                       [:args.prefix_len])
+        mine = per_engine[i % engines]
+        out.append("seen" if prefix in mine else "other engine" if prefix in host else "first")
+        host.add(prefix)
+        mine.add(prefix)
+    return out
+
+
+def by_class(ttfts_ms: list[float], classes: list[str]) -> dict[str, dict]:
+    """TTFT p50 and count of each class of request (`prefix_classes`)."""
+    out = {}
+    for c in ("first", "other engine", "seen"):
+        xs = sorted(t for t, k in zip(ttfts_ms, classes) if k == c)
+        if xs:
+            out[c] = {"count": len(xs), "ttft_p50_ms": round(percentile(xs, 50), 1)}
+    return out
 
 
 def run_client(args, url: str, model: str, out: Path) -> dict:
@@ -245,12 +281,18 @@ def main(argv: list[str] | None = None) -> int:
         for mode in modes:
             run = run_mode(args, mode, model, config, tmp)
             runs.append(run)
+            if len(run["ttfts_ms"]) == args.num_prompts:
+                classes = prefix_classes(args, model, len(run["servers"]))
+                run["by_prefix"] = by_class(run["ttfts_ms"], classes)
             print(f"{mode:16s} TTFT p50 {run['ttft_p50_ms']:8.0f} ms  p99 "
                   f"{run['ttft_p99_ms']:8.0f} ms  {run['request_throughput']:.2f} req/s  "
                   f"{run['output_throughput']:.1f} tok/s  hits {run['server_hit_rate']:.1%}  "
                   f"failed {run['failed']}  engines' CPU "
                   f"{sum(run['engines_cpu_s']):.1f} s in {run['wall_s']:.1f} s  per engine "
                   f"{[round(n) for n in run['requests_per_engine']]}", flush=True)
+            print("    TTFT p50 by prefix: " + "; ".join(
+                f"{c} {v['ttft_p50_ms']:.0f} ms ({v['count']})"
+                for c, v in run.get("by_prefix", {}).items()), flush=True)
     engines = len(runs[0]["servers"])
     best = best_hit_rates(args, args.block_size, engines)
     print(f"best hit rates: one shared cache {best['shared']:.1%}, a cache per engine "

@@ -12,7 +12,7 @@ segments, so nothing is left in /dev/shm.
 
 `mode="own"` runs the same engines on caches of their own instead (vLLM's
 own KV-cache manager, each with the pool's blocks divided among them), the
-baseline `scripts/bench_vllm.py --serve` compares against.
+baseline `scripts/bench_serve.py` compares against.
 
 Engines run vLLM's own command line through `python -m kvshm.vllm.command`
 (which works on the CPU wheels, whose own `vllm` command may not start),
