@@ -379,7 +379,9 @@ def test_the_readme_s_vllm_commands_run_as_written(tmp_path):
     its segments: its pool has a random name, so the run's leak guard
     (conftest.py, once every test is done) checks those, and this test
     runs beside others."""
-    (python, engine), (sh, commands) = readme_blocks("vLLM engines on one pool")
+    blocks = readme_blocks("vLLM engines on one pool")
+    first = [lang for lang, _ in blocks].index("python")   # (after the serving quickstart)
+    (python, engine), (sh, commands) = blocks[first:first + 2]
     assert (python, sh) == ("python", "sh")
     (tmp_path / "engine.py").write_text(engine)
     for name in ("scripts", ".venv-vllm", "pyproject.toml", "kvshm"):

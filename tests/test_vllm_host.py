@@ -84,15 +84,18 @@ def metric(text: str, name: str) -> float:
                                               re.M))
 
 
-def processes_of(pids: set[int]) -> list[int]:
-    """Which of `pids` still run."""
+def processes_of(pids: set[int]) -> list[str]:
+    """Which of `pids` still run (a zombie has ended: whoever reaps it), with
+    their command lines."""
     alive = []
     for pid in pids:
         try:
-            os.kill(pid, 0)
-            alive.append(pid)
-        except ProcessLookupError:
-            pass
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if state != "Z":
+            alive.append(f"{pid} {state} {cmd[:200]}")
     return alive
 
 
@@ -118,7 +121,6 @@ def test_the_host_serves_rides_through_a_coordinator_kill_and_stops_clean(releas
     model = write_tiny_model(tmp_path / "model", "tiny")
     port = free_ports(3)
     name = f"kvshm-host-{os.getpid()}-{release.replace('.', '')}"
-    before = set(kvshm_segments())
     proc = subprocess.Popen(
         ["kvshm", "host", str(model), "--name", name, "--port", str(port), "--kv-memory",
          "64MiB", "--block-size", "32", "--max-model-len", "1024", "--", "--enforce-eager",
@@ -184,8 +186,8 @@ def test_the_host_serves_rides_through_a_coordinator_kill_and_stops_clean(releas
         assert proc.wait(timeout=120) == 130
         reader.join(timeout=10)
         assert lines[-1].startswith("kvshm host: stopped"), "".join(lines)
-        assert not processes_of(children)
-        assert set(kvshm_segments()) <= before
+        assert not processes_of(children), "".join(lines)
+        assert not {name, f"{name}.kv"} & kvshm_segments(), "".join(lines)
         assert not default_socket_path(name).exists()
     finally:
         if proc.poll() is None:

@@ -364,15 +364,20 @@ class Host:
             _end_group(self.router, 10.0)
             self.router = None
         running = [e for e in self.engines if e.proc is not None]
+        # NOTE: SIGTERM to each server alone: it stops its engine core and
+        # workers in order, and they remove their shared memory.  A signal to
+        # the whole group would stop them beside it, leaving vLLM's segments
+        # in /dev/shm.  What is left of the group after `timeout` is killed.
         for e in running:
-            _signal_group(e.proc, signal.SIGTERM)
+            if e.proc.poll() is None:
+                e.proc.terminate()
         deadline = time.monotonic() + timeout
         for e in running:
             try:
                 e.proc.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 pass
-            _end_group(e.proc, 0)
+            _end_group(e.proc, max(0.0, deadline - time.monotonic()))
             e.proc = None
         if self.coordinator is not None:
             self.coordinator.stop(owns_pool=True)
@@ -396,16 +401,30 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
 
 
 def _end_group(proc: subprocess.Popen, timeout: float) -> None:
-    """SIGTERM `proc`'s process group, then SIGKILL whatever of it is left
-    after `timeout` s (vLLM's engine core and workers are in it)."""
-    if timeout and proc.poll() is None:
-        _signal_group(proc, signal.SIGTERM)
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            pass
+    """Wait up to `timeout` s for what is left of `proc`'s process group
+    (vLLM's engine core and workers, which outlive their server while they
+    stop) to end, then SIGKILL the rest."""
+    if proc.poll() is None and timeout:
+        proc.terminate()
+    deadline = time.monotonic() + timeout
+    while _group_alive(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
     _signal_group(proc, signal.SIGKILL)
     proc.wait()
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether a process of group `pgid` still runs (zombies have ended)."""
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = Path(f"/proc/{entry.name}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            return True
+    return False
 
 
 def _free_port() -> int:
