@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import importlib
 import os
+import sys
 import time
+from pathlib import Path
 
 from kvshm import BlockHasher, FullSpec, KVCacheManager, PoolConfig, Request
 from kvshm.core.check import check_segment
@@ -155,3 +158,16 @@ def check_pool(name: str):
         return check_segment(seg)
     finally:
         seg.close()
+
+
+SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+
+
+def import_script(name: str):
+    """The module of scripts/NAME.py, imported as the scripts import one
+    another (scripts/ on sys.path for the import only)."""
+    sys.path.insert(0, str(SCRIPTS))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(SCRIPTS))

@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from helpers import SCRIPTS, import_script
+
 REPO = Path(__file__).resolve().parent.parent
-SCRIPTS = REPO / "scripts"
 TRACE = REPO / "tests" / "data" / "conformance" / "traces" / "eagle-full16-tiny-chat-s2500.jsonl.gz"
 
 pytestmark = pytest.mark.skipif(not (REPO / ".git").exists(),
@@ -26,12 +27,7 @@ def _worktrees() -> list[str]:
 
 
 def _guard():
-    sys.path.insert(0, str(SCRIPTS))
-    try:
-        import bench_guard
-    finally:
-        sys.path.remove(str(SCRIPTS))
-    return bench_guard
+    return import_script("bench_guard")
 
 
 def test_replay_against_head(tmp_path):

@@ -9,21 +9,15 @@ import sys
 import threading
 import types
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 
 import pytest
 
-SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+from helpers import SCRIPTS, import_script
 
 
 @pytest.fixture(scope="module")
 def bench_serve():
-    sys.path.insert(0, str(SCRIPTS))
-    try:
-        import bench_serve
-    finally:
-        sys.path.remove(str(SCRIPTS))
-    return bench_serve
+    return import_script("bench_serve")
 
 
 def test_the_best_hit_rates_of_the_default_dataset(bench_serve):

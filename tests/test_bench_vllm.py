@@ -6,24 +6,17 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
+from helpers import SCRIPTS, import_script
 from kvshm.vllm.engine import workload_json
 from kvshm.workload.items import RagSpec, rag
-
-SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 
 
 @pytest.fixture(scope="module")
 def bench_vllm():
-    sys.path.insert(0, str(SCRIPTS))
-    try:
-        import bench_vllm
-    finally:
-        sys.path.remove(str(SCRIPTS))
-    return bench_vllm
+    return import_script("bench_vllm")
 
 
 def _requests(work):

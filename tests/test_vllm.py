@@ -21,7 +21,8 @@ from pathlib import Path
 import pytest
 
 from helpers import kvshm_segments
-from vllm_engines import ENGINE_TIMEOUT, PYTHONS, finish, run_engine, run_python, start_engine
+from vllm_engines import (ENGINE_TIMEOUT, PYTHONS, finish, release, run_engine,  # noqa: F401
+                          run_python, start_engine)  # (release: a fixture)
 from kvshm.vllm.engine import in_phases, workload_json
 from kvshm.workload.items import shared_prefix
 from kvshm.vllm.model import write_tiny_model
@@ -38,16 +39,6 @@ if not VLLM_PYTHON.exists():
                 allow_module_level=True)
 
 
-@pytest.fixture(params=list(PYTHONS))
-def release(request) -> str:
-    """The vLLM release an engine test runs on (each in turn)."""
-    python = PYTHONS[request.param]
-    if not python.exists():
-        if os.environ.get("KVSHM_REQUIRE_VLLM") == "1":
-            pytest.fail(f"KVSHM_REQUIRE_VLLM=1 but there is no vLLM {request.param} "
-                        f"environment at {python} (run ./scripts/vllm_env.sh {request.param})")
-        pytest.skip(f"no vLLM {request.param} environment at {python}")
-    return request.param
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from helpers import kvshm_segments
-from vllm_engines import PYTHONS
+from vllm_engines import PYTHONS, release  # noqa: F401 (a fixture)
 from kvshm.service.handshake import default_socket_path
 from kvshm.vllm.model import vocabulary, write_tiny_model
 from kvshm.vllm.release import vllm_cache_root
@@ -30,15 +30,6 @@ REPO = Path(__file__).resolve().parent.parent
 START_TIMEOUT = 600
 
 
-@pytest.fixture(params=list(PYTHONS))
-def release(request) -> str:
-    python = PYTHONS[request.param]
-    if not python.exists():
-        if os.environ.get("KVSHM_REQUIRE_VLLM") == "1":
-            pytest.fail(f"KVSHM_REQUIRE_VLLM=1 but there is no vLLM {request.param} "
-                        f"environment at {python} (run ./scripts/vllm_env.sh {request.param})")
-        pytest.skip(f"no vLLM {request.param} environment at {python}")
-    return request.param
 
 
 def user_env(release: str) -> dict[str, str]:

@@ -20,6 +20,8 @@ import tempfile
 import threading
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parent.parent
 PYTHONS = {
     "0.14.0": Path(os.environ.get("KVSHM_VLLM_PYTHON", REPO / ".venv-vllm" / "bin" / "python")),
@@ -180,3 +182,17 @@ def run_engine(model: Path, workload: dict, tmp: Path, name: str, *, pool: str |
     """Run one engine process to its end (see `finish`)."""
     return finish(start_engine(model, workload, tmp, name, pool=pool, extra=extra, env=env,
                                release=release), check)
+
+
+@pytest.fixture(params=list(PYTHONS))
+def release(request) -> str:
+    """The vLLM release a test runs on (each in turn; a test file imports
+    this fixture).  A release without its environment skips, or fails
+    where KVSHM_REQUIRE_VLLM=1 (the test command sets it)."""
+    python = PYTHONS[request.param]
+    if not python.exists():
+        if os.environ.get("KVSHM_REQUIRE_VLLM") == "1":
+            pytest.fail(f"KVSHM_REQUIRE_VLLM=1 but there is no vLLM {request.param} "
+                        f"environment at {python} (run ./scripts/vllm_env.sh {request.param})")
+        pytest.skip(f"no vLLM {request.param} environment at {python}")
+    return request.param

@@ -27,7 +27,7 @@ from kvshm.core.metrics import percentile
 from kvshm.core.specs import PoolConfig
 from kvshm.pool.arena import PAGE, ArenaLayout, arena_name
 from kvshm.pool.segment import SHM_DIR
-from kvshm.service.process import die_with_parent
+from kvshm.service.process import die_with_parent, exit_text
 from kvshm.workers.channel import Done, Failed, Progress, Ready, WorkerSpec, read_report
 from kvshm.workers.engine_types import EngineOptions, EngineStats
 from kvshm.workload.spec import WorkloadSpec
@@ -234,7 +234,7 @@ class Launch:
                 self._killed.discard(c.proc.pid)
                 died = time.monotonic()
                 code = c.proc.returncode
-                rec = {"at_s": round(died - self._t0, 3), "exit": _exit_text(code)}
+                rec = {"at_s": round(died - self._t0, 3), "exit": exit_text(code)}
                 self._restarting += 1
                 try:
                     c.restart(wait=False)    # from this thread: PDEATHSIG follows it
@@ -393,7 +393,7 @@ class Launch:
                 res.status, res.message = "interrupted", "stopped by Ctrl-C"
             else:
                 res.status = "died"
-                res.message = (f"exited with {_exit_text(code)}{after} (its figures are "
+                res.message = (f"exited with {exit_text(code)}{after} (its figures are "
                                "those of its last progress report)"
                                + (f": {err.splitlines()[-1]}" if err else ""))
 
@@ -570,15 +570,6 @@ def isolated_config(config: PoolConfig, num_workers: int) -> PoolConfig:
     """One worker's private pool in isolated mode: the same total of usable
     blocks, split (each pool keeps its own null block)."""
     return config.replace(num_blocks=(config.num_blocks - 1) // num_workers + 1)
-
-
-def _exit_text(code: int) -> str:
-    if code < 0:
-        try:
-            return f"signal {signal.Signals(-code).name}"
-        except ValueError:
-            return f"signal {-code}"
-    return f"status {code}"
 
 
 def make_plan(num_workers: int, pin_cpus: bool = True) -> Plan:

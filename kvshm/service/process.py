@@ -18,6 +18,17 @@ from kvshm.pool.lifecycle import remove_pool
 _PR_SET_PDEATHSIG = 1
 
 
+def exit_text(code: int) -> str:
+    """A child's return code as a person says it ("status 1", "signal
+    SIGKILL")."""
+    if code < 0:
+        try:
+            return f"signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"signal {-code}"
+    return f"status {code}"
+
+
 def die_with_parent() -> None:
     """For `preexec_fn`: the child gets SIGTERM when the parent dies, even by
     SIGKILL, so a coordinator or worker is never orphaned with its segments

@@ -39,7 +39,7 @@ from pathlib import Path
 from kvshm.core.errors import ConfigError
 from kvshm.core.specs import PoolConfig
 from kvshm.service.handshake import default_socket_path
-from kvshm.service.process import CoordinatorProcess, die_with_parent
+from kvshm.service.process import CoordinatorProcess, die_with_parent, exit_text
 from kvshm.vllm.engine import rendezvous_port
 from kvshm.vllm.release import vllm_cache_root
 from kvshm.workers.topology import Plan, discover, format_cpulist, pin, plan
@@ -97,16 +97,6 @@ def engine_count(requested: int) -> int:
     if requested < 0:
         raise ConfigError("engines", f"must be at least 1 (got {requested})")
     return requested or max(2, sum(1 for node in discover() if not node.virtual))
-
-
-def exit_text(code: int) -> str:
-    """A process's return code as a person says it."""
-    if code < 0:
-        try:
-            return f"signal {signal.Signals(-code).name}"
-        except ValueError:
-            return f"signal {-code}"
-    return f"status {code}"
 
 
 def port_free(host: str, port: int) -> bool:
