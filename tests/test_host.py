@@ -215,3 +215,13 @@ def test_a_coordinator_that_does_not_come_back_stops_the_host_naming_it(model, t
         h.poll()
     assert h.failed
     h.stop()
+
+
+def test_a_pool_name_in_use_stops_the_host_before_any_engine(model, tmp_path, pool_name):
+    from kvshm.service.process import CoordinatorProcess
+    opts = options(model, tmp_path, name=pool_name)
+    with CoordinatorProcess(opts.config, name=pool_name, default_socket=True):
+        h = Host(opts)
+        with pytest.raises(host.HostError, match=f"the pool {pool_name!r} did not start"):
+            h.start()
+        assert all(e.proc is None for e in h.engines) and h.coordinator is None

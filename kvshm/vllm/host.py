@@ -206,7 +206,10 @@ class Host:
         if opts.mode == "pool":
             self.coordinator = CoordinatorProcess(cfg, name=opts.name, new_session=True,
                                                   with_parent=True, default_socket=True)
-            self.coordinator.wait_ready(timeout=60)
+            try:
+                self.coordinator.wait_ready(timeout=60)
+            except RuntimeError as e:
+                raise HostError(f"the pool {opts.name!r} did not start: {e}") from None
             self._pin_coordinator()
             self.say(f"pool {opts.name!r}: {cfg.num_blocks} blocks of "
                      f"{cfg.groups[0].block_size} tokens, vLLM {cfg.vllm_version} semantics, "
