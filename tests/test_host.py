@@ -7,6 +7,7 @@ host serving for real is tests/test_vllm_host.py."""
 from __future__ import annotations
 
 import socket
+import subprocess
 import sys
 
 import pytest
@@ -225,3 +226,48 @@ def test_a_pool_name_in_use_stops_the_host_before_any_engine(model, tmp_path, po
         with pytest.raises(host.HostError, match=f"the pool {pool_name!r} did not start"):
             h.start()
         assert all(e.proc is None for e in h.engines) and h.coordinator is None
+
+
+def test_an_engine_that_dies_while_starting_stops_the_host_with_its_log(model, tmp_path,
+                                                                         monkeypatch):
+    h = Host(options(model, tmp_path, mode="own"))
+    monkeypatch.setattr(h, "engine_argv", lambda e: [
+        sys.executable, "-c", f"print('engine {e.index} cannot load its model'); "
+        "raise SystemExit(3)"])
+    with pytest.raises(host.HostError, match=r"(?s)engine \d exited with status 3 while "
+                       r"starting; its log .* ends:\nengine \d cannot load its model"):
+        h.start()
+    assert all(e.proc is None for e in h.engines)
+
+
+def test_a_dead_engine_is_reported_and_the_host_serves_while_one_is_left(model, tmp_path,
+                                                                          capsys):
+    h = Host(options(model, tmp_path, mode="own"), out=sys.stdout)
+    for e in h.engines:
+        e.log.write_text(f"engine {e.index}: out of memory\n")
+    h.engines[0].proc = subprocess.Popen([sys.executable, "-c", "raise SystemExit(1)"])
+    h.engines[1].proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    h.engines[0].proc.wait()
+    assert h.poll() is True and h.failed
+    out = capsys.readouterr().out
+    assert "engine 0 (pid" in out and "exited with status 1" in out
+    assert "engine 0: out of memory" in out
+    assert h.poll() is True and capsys.readouterr().out == ""   # reported once
+    h.engines[1].proc.kill()
+    h.engines[1].proc.wait()
+    assert h.poll() is False                                       # none left
+    assert "exited with signal SIGKILL" in capsys.readouterr().out
+    h.stop()
+
+
+def test_a_dead_front_door_ends_the_host(model, tmp_path, capsys):
+    h = Host(options(model, tmp_path, mode="own"), out=sys.stdout)
+    h.router_log.write_text("error: address in use\n")
+    h.router = subprocess.Popen([sys.executable, "-c", "raise SystemExit(2)"],
+                                start_new_session=True)
+    h.router.wait()
+    assert h.poll() is False and h.failed
+    out = capsys.readouterr().out
+    assert "the front door exited with status 2" in out and "address in use" in out
+    h.stop()
+    assert h.router is None
