@@ -71,7 +71,8 @@ def test_own_caches_split_the_pool_s_blocks_and_set_no_pool(model, tmp_path, mon
     h.stop()
 
 
-def test_pinned_engines_take_their_node_s_cpus_and_the_coordinator_one_of_its_own(model, tmp_path, monkeypatch):
+def test_pinned_engines_take_their_node_s_cpus_and_the_coordinator_one_of_its_own(
+        model, tmp_path, monkeypatch):
     from kvshm.workers.topology import Node
     monkeypatch.setattr(host, "discover", lambda: [Node(0, (0, 1, 2, 3), False)])
     h = Host(options(model, tmp_path, pin=True))
