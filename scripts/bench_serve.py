@@ -26,7 +26,10 @@ output throughput, failed requests), what the servers counted (each
 engine's prefix-cache queries and hits from /metrics; the pool's own
 stats), the engines' CPU seconds, and the best hit rates perfect caches
 would give the dataset (one shared cache; a cache per engine under round
-robin).  The JSON goes to bench-results/serve-RELEASE.json (`--json`), the
+robin).  `--rounds N` runs every mode N times, the first mode alternating,
+and prints the medians of the rounds' own ratios.  The JSON (round 1's
+runs, the ratios, the later rounds) goes to
+bench-results/serve-RELEASE.json (`--json`), the
 TTFT CDF of every mode to the same name with .svg (needs matplotlib).  The
 client (`python -m kvshm.vllm.command bench serve`, vLLM's own) is not
 pinned: on a 2-CPU machine it shares the engines' CPUs.
@@ -205,6 +208,35 @@ def run_mode(args, mode: str, model: str, config, tmp: Path) -> dict:
     }
 
 
+def print_run(run: dict) -> None:
+    print(f"{run['mode']:16s} TTFT p50 {run['ttft_p50_ms']:8.0f} ms  p99 "
+          f"{run['ttft_p99_ms']:8.0f} ms  {run['request_throughput']:.2f} req/s  "
+          f"{run['output_throughput']:.1f} tok/s  hits {run['server_hit_rate']:.1%}  "
+          f"failed {run['failed']}  engines' CPU {sum(run['engines_cpu_s']):.1f} s in "
+          f"{run['wall_s']:.1f} s  per engine "
+          f"{[round(n) for n in run['requests_per_engine']]}", flush=True)
+    if run.get("by_prefix"):
+        print("    TTFT p50 by prefix: " + "; ".join(
+            f"{c} {v['ttft_p50_ms']:.0f} ms ({v['count']})"
+            for c, v in run["by_prefix"].items()), flush=True)
+
+
+def ratios_of(runs: list[dict]) -> dict[str, dict[str, float]]:
+    """Each pool mode's TTFT p50, p99 and throughput over each own-cache
+    mode's, in one round's `runs`."""
+    by = {r["mode"]: r for r in runs}
+    out = {}
+    for mode in by:
+        for base in ("own-rr", "own-cache-aware"):
+            if mode.startswith("pool") and base in by:
+                out[f"{mode}/{base}"] = {
+                    "ttft_p50": by[mode]["ttft_p50_ms"] / by[base]["ttft_p50_ms"],
+                    "ttft_p99": by[mode]["ttft_p99_ms"] / by[base]["ttft_p99_ms"],
+                    "throughput": (by[mode]["request_throughput"]
+                                   / by[base]["request_throughput"])}
+    return out
+
+
 def plot(path: Path, runs: list[dict], title: str) -> None:
     try:
         import matplotlib
@@ -255,10 +287,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--compile", action="store_true",
                     help="let vLLM compile the model (minutes per engine start on 2 CPUs; "
                     "default: --enforce-eager)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run every mode N times, the first mode alternating; the ratios "
+                    "printed are the medians of the rounds' own (each mode about 3 minutes "
+                    "a round here)")
     ap.add_argument("--json", help="default bench-results/serve-RELEASE[-closed].json")
     args = ap.parse_args(argv)
     if args.max_concurrency:
         args.rate = 0.0
+    if args.rounds < 1:
+        ap.error(f"--rounds must be at least 1 (got {args.rounds})")
     modes = [m for m in args.modes.split(",") if m]
     unknown = [m for m in modes if m not in MODES]
     if unknown:
@@ -277,45 +315,44 @@ def main(argv: list[str] | None = None) -> int:
         config = resolve_config(PoolSource(vllm_model=model, kv_memory=args.kv_memory,
                                            block_size=args.block_size, max_model_len=4096,
                                            vllm_version=release))
-        runs = []
-        for mode in modes:
-            run = run_mode(args, mode, model, config, tmp)
-            runs.append(run)
-            if len(run["ttfts_ms"]) == args.num_prompts:
-                classes = prefix_classes(args, model, len(run["servers"]))
-                run["by_prefix"] = by_class(run["ttfts_ms"], classes)
-            print(f"{mode:16s} TTFT p50 {run['ttft_p50_ms']:8.0f} ms  p99 "
-                  f"{run['ttft_p99_ms']:8.0f} ms  {run['request_throughput']:.2f} req/s  "
-                  f"{run['output_throughput']:.1f} tok/s  hits {run['server_hit_rate']:.1%}  "
-                  f"failed {run['failed']}  engines' CPU "
-                  f"{sum(run['engines_cpu_s']):.1f} s in {run['wall_s']:.1f} s  per engine "
-                  f"{[round(n) for n in run['requests_per_engine']]}", flush=True)
-            print("    TTFT p50 by prefix: " + "; ".join(
-                f"{c} {v['ttft_p50_ms']:.0f} ms ({v['count']})"
-                for c, v in run.get("by_prefix", {}).items()), flush=True)
-    engines = len(runs[0]["servers"])
+        rounds = []
+        for r in range(args.rounds):
+            # (the first mode alternates, so a drift of the machine's speed
+            # weighs on every mode alike)
+            order = modes if r % 2 == 0 else modes[::-1]
+            if args.rounds > 1:
+                print(f"round {r + 1}/{args.rounds}: {', '.join(order)}", flush=True)
+            runs = {}
+            for mode in order:
+                run = runs[mode] = run_mode(args, mode, model, config, tmp)
+                if len(run["ttfts_ms"]) == args.num_prompts:
+                    classes = prefix_classes(args, model, len(run["servers"]))
+                    run["by_prefix"] = by_class(run["ttfts_ms"], classes)
+                print_run(run)
+            rounds.append([runs[m] for m in modes])
+    engines = len(rounds[0][0]["servers"])
     best = best_hit_rates(args, args.block_size, engines)
     print(f"best hit rates: one shared cache {best['shared']:.1%}, a cache per engine "
           f"{best['per_engine']:.1%}")
-    by = {r["mode"]: r for r in runs}
-    ratios = {}
-    for mode in by:
-        for base in ("own-rr", "own-cache-aware"):
-            if mode.startswith("pool") and base in by:
-                ratios[f"{mode}/{base}"] = {
-                    "ttft_p50": by[mode]["ttft_p50_ms"] / by[base]["ttft_p50_ms"],
-                    "ttft_p99": by[mode]["ttft_p99_ms"] / by[base]["ttft_p99_ms"],
-                    "throughput": (by[mode]["request_throughput"]
-                                   / by[base]["request_throughput"])}
+    per_round = [ratios_of(runs) for runs in rounds]
+    ratios = {name: {k: percentile(sorted(rr[name][k] for rr in per_round), 50)
+                     for k in per_round[0][name]} for name in per_round[0]}
     for name, r in ratios.items():
+        each = "; ".join(f"{rr[name]['ttft_p50']:.2f}x" for rr in per_round)
         print(f"{name}: TTFT p50 {r['ttft_p50']:.2f}x, p99 {r['ttft_p99']:.2f}x, "
-              f"throughput {r['throughput']:.2f}x")
+              f"throughput {r['throughput']:.2f}x"
+              + (f" (medians of {len(per_round)} rounds; TTFT p50 by round: {each})"
+                 if len(per_round) > 1 else ""))
+    runs = rounds[0]
     suffix = "-closed" if args.max_concurrency else ""
     path = Path(args.json or RESULTS / f"serve-{release}{suffix}.json")
     write_results(path, {"vllm_version": release, "load": load_text, "args": vars(args),
-                         "best_hit_rates": best, "runs": runs, "ratios": ratios})
+                         "best_hit_rates": best, "runs": runs, "ratios": ratios,
+                         "rounds": [{"runs": rr, "ratios": ratio}
+                                    for rr, ratio in zip(rounds[1:], per_round[1:])],
+                         "round_1_ratios": per_round[0]})
     plot(path.with_suffix(".svg"), runs, f"vLLM {release}, {load_text}")
-    return 0 if all(r["failed"] == 0 for r in runs) else 1
+    return 0 if all(r["failed"] == 0 for runs in rounds for r in runs) else 1
 
 
 if __name__ == "__main__":

@@ -79,8 +79,21 @@ def test_an_engine_s_counters_are_read_from_its_metrics(bench_serve):
                    "prompt_tokens": 1152.0, "num_preemptions": 3.0}
 
 
+def test_each_pool_mode_is_compared_with_each_own_cache_mode(bench_serve):
+    def run(mode, p50, p99, rps):
+        return {"mode": mode, "ttft_p50_ms": p50, "ttft_p99_ms": p99, "request_throughput": rps}
+    got = bench_serve.ratios_of([run("own-rr", 1000, 4000, 1.0),
+                                 run("own-cache-aware", 500, 8000, 1.0),
+                                 run("pool-rr", 250, 2000, 1.5)])
+    assert got == {"pool-rr/own-rr": {"ttft_p50": 0.25, "ttft_p99": 0.5, "throughput": 1.5},
+                   "pool-rr/own-cache-aware": {"ttft_p50": 0.5, "ttft_p99": 0.25,
+                                               "throughput": 1.5}}
+    assert bench_serve.ratios_of([run("own-rr", 1, 1, 1)]) == {}
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--modes", "own-rr,nearest"], "unknown modes ['nearest']"),
+    (["--rounds", "0"], "--rounds must be at least 1"),
     (["--rate", "2", "--max-concurrency", "4"], "not allowed with argument"),
     ([], "run it with a vLLM environment's python"),
 ])
@@ -88,3 +101,31 @@ def test_bad_arguments_are_refused_before_anything_starts(argv, message):
     done = subprocess.run([sys.executable, str(SCRIPTS / "bench_serve.py"), *argv],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and message in done.stderr, done.stderr
+
+
+def test_rounds_alternate_the_first_mode_and_report_the_medians_of_their_ratios(
+        bench_serve, monkeypatch, tmp_path):
+    """main() end to end with the hosts and the client stood in for."""
+    import json
+    order = []
+    p50 = iter([1000, 500, 300, 1000, 1000, 400])   # own, pool / pool, own / own, pool
+
+    def fake_run(args, mode, model, config, tmp):
+        order.append(mode)
+        return {"mode": mode, "ttft_p50_ms": next(p50), "ttft_p99_ms": 100.0,
+                "request_throughput": 1.0, "output_throughput": 32.0, "failed": 0,
+                "server_hit_rate": 0.8, "engines_cpu_s": [1.0, 1.0], "wall_s": 10.0,
+                "requests_per_engine": [1, 1], "servers": [{}, {}], "ttfts_ms": []}
+
+    monkeypatch.setattr(bench_serve, "run_mode", fake_run)
+    monkeypatch.setattr(bench_serve, "vllm_release", lambda: "0.32.0")
+    out = tmp_path / "serve.json"
+    assert bench_serve.main(["--modes", "own-rr,pool-rr", "--rounds", "3",
+                             "--json", str(out)]) == 0
+    assert order == ["own-rr", "pool-rr", "pool-rr", "own-rr", "own-rr", "pool-rr"]
+    doc = json.loads(out.read_text())
+    # the rounds' ratios are 0.5, 0.3 and 0.4: their median is 0.4
+    assert doc["ratios"]["pool-rr/own-rr"]["ttft_p50"] == pytest.approx(0.4)
+    assert doc["round_1_ratios"]["pool-rr/own-rr"]["ttft_p50"] == pytest.approx(0.5)
+    assert [r["mode"] for r in doc["runs"]] == ["own-rr", "pool-rr"]
+    assert len(doc["rounds"]) == 2
