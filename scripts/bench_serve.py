@@ -166,8 +166,9 @@ def run_mode(args, mode: str, model: str, config, tmp: Path) -> dict:
     kind, router = MODES[mode]
     serve_args = [] if args.compile else ["--enforce-eager"]
     serve_args += ["--max-num-seqs", str(args.max_num_seqs)]
-    opts = HostOptions(model=model, config=config, name=f"kvshm-bench-serve", engines=args.engines,
-                       port=args.port, router=router, mode=kind, serve_args=serve_args)
+    opts = HostOptions(model=model, config=config, name="kvshm-bench-serve",
+                       engines=args.engines, port=args.port, router=router, mode=kind,
+                       serve_args=serve_args)
     host = Host(opts, out=sys.stderr)
     t0 = time.monotonic()
     host.start()

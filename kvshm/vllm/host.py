@@ -172,7 +172,6 @@ class Host:
         self.socket = default_socket_path(opts.name)   # where `kvshm serve --name` listens
         self.router: subprocess.Popen | None = None
         self.router_log = self.log_dir / "router.log"
-        self.restarts: list[dict] = []
         self.failed = False
 
     # -- starting -------------------------------------------------------------------------
@@ -333,7 +332,6 @@ class Host:
                             f"{e}") from None
         self._pin_coordinator()
         ms = int((time.monotonic() - died) * 1000)
-        self.restarts.append({"exit": how, "ready_ms": ms})
         self.say(f"the coordinator exited with {how}; restarted, it adopted the pool in "
                  f"{ms} ms (the engines' sessions resume)")
 
