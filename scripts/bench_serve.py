@@ -38,7 +38,9 @@ pinned: on a 2-CPU machine it shares the engines' CPUs.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import re
 import subprocess
 import sys
@@ -56,9 +58,13 @@ from kvshm.vllm.host import Host, HostOptions
 from kvshm.vllm.model import write_tiny_model
 from kvshm.vllm.release import vllm_release
 
-# mode -> (kvshm host mode, the front door's policy)
-MODES = {"own-rr": ("own", "round_robin"), "own-cache-aware": ("own", "cache_aware"),
-         "pool-rr": ("pool", "round_robin"), "pool-p2c": ("pool", "power_of_two")}
+# mode -> (kvshm host mode, the front door's policy, the engines' environment)
+MODES = {"own-rr": ("own", "round_robin", {}),
+         "own-cache-aware": ("own", "cache_aware", {}),
+         "pool-rr": ("pool", "round_robin", {}),
+         "pool-p2c": ("pool", "power_of_two", {}),
+         # the pool without waits for prefixes in flight (docs/vllm.md)
+         "pool-rr-nowait": ("pool", "round_robin", {"KVSHM_WAIT_IN_FLIGHT": "0"})}
 COUNTERS = ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
             "vllm:prompt_tokens_total", "vllm:num_preemptions_total")
 
@@ -162,8 +168,23 @@ def run_client(args, url: str, model: str, out: Path) -> dict:
     return json.loads(out.read_text())
 
 
+@contextlib.contextmanager
+def environment(changes: dict[str, str]):
+    """This process's environment with `changes`, restored on the way out."""
+    saved = {k: os.environ.get(k) for k in changes}
+    os.environ.update(changes)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def run_mode(args, mode: str, model: str, config, tmp: Path) -> dict:
-    kind, router = MODES[mode]
+    kind, router, env = MODES[mode]
     serve_args = [] if args.compile else ["--enforce-eager"]
     serve_args += ["--max-num-seqs", str(args.max_num_seqs)]
     opts = HostOptions(model=model, config=config, name="kvshm-bench-serve",
@@ -171,7 +192,8 @@ def run_mode(args, mode: str, model: str, config, tmp: Path) -> dict:
                        serve_args=serve_args)
     host = Host(opts, out=sys.stderr)
     t0 = time.monotonic()
-    host.start()
+    with environment(env):          # the engines' (they inherit this process's)
+        host.start()
     try:
         started = time.monotonic() - t0
         before = [scrape(e.url) for e in host.engines]
@@ -262,7 +284,8 @@ def plot(path: Path, runs: list[dict], title: str) -> None:
     print(f"wrote {path}")
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, checked (argparse exits with the reason)."""
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--modes", default="own-rr,own-cache-aware,pool-rr",
@@ -304,9 +327,17 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [m for m in modes if m not in MODES]
     if unknown:
         ap.error(f"unknown modes {unknown}: choose from {', '.join(MODES)}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    modes = [m for m in args.modes.split(",") if m]
     release = vllm_release()
     if not release:
-        ap.error("run it with a vLLM environment's python (./scripts/vllm_env.sh)")
+        print("bench_serve.py: run it with a vLLM environment's python "
+              "(./scripts/vllm_env.sh)", file=sys.stderr)
+        return 2
     load_text = (f"open loop, {args.rate:g} requests/s" if args.rate
                  else f"closed loop, at most {args.max_concurrency} in flight")
     print(f"vLLM {release}; {load_text}; {args.num_prompts} prompts over {args.num_prefixes} "

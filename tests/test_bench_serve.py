@@ -4,6 +4,7 @@ and the arguments it refuses before it starts anything."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import threading
@@ -21,15 +22,15 @@ def bench_serve():
 
 
 def test_the_best_hit_rates_of_the_default_dataset(bench_serve):
-    args = types.SimpleNamespace(num_prompts=144, num_prefixes=12, prefix_len=1024,
-                                 suffix_len=128)
+    args = bench_serve.parse_args([])
     best = bench_serve.best_hit_rates(args, 128, 2)
-    # 132 of 144 prompts hit their 1,024-token prefix on one cache; on two,
-    # 120 (each engine computes each prefix once).
-    assert best["shared"] == pytest.approx(132 * 1024 / (144 * 1152))
-    assert best["per_engine"] == pytest.approx(120 * 1024 / (144 * 1152))
+    # 144 of 160 prompts hit their 1,024-token prefix on one cache; on two,
+    # 128 (each engine computes each prefix once).
+    assert best["shared"] == pytest.approx(144 * 1024 / (160 * 1056)) == pytest.approx(0.873,
+                                                                                        abs=5e-4)
+    assert best["per_engine"] == pytest.approx(128 * 1024 / (160 * 1056))
     # Only whole blocks hit; an engine that sees a prefix once never hits it.
-    args.prefix_len, args.num_prompts = 1000, 24
+    args.prefix_len, args.num_prompts, args.num_prefixes, args.suffix_len = 1000, 24, 12, 128
     best = bench_serve.best_hit_rates(args, 128, 4)
     assert best["shared"] == pytest.approx(12 * 896 / (24 * 1128))
     assert best["per_engine"] == 0
@@ -101,6 +102,20 @@ def test_bad_arguments_are_refused_before_anything_starts(argv, message):
     done = subprocess.run([sys.executable, str(SCRIPTS / "bench_serve.py"), *argv],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and message in done.stderr, done.stderr
+
+
+def test_a_mode_s_engine_environment_is_set_while_its_host_starts_then_restored(
+        bench_serve, monkeypatch):
+    assert bench_serve.MODES["pool-rr-nowait"] == ("pool", "round_robin",
+                                                    {"KVSHM_WAIT_IN_FLIGHT": "0"})
+    monkeypatch.delenv("KVSHM_WAIT_IN_FLIGHT", raising=False)
+    monkeypatch.setenv("KVSHM_IN_FLIGHT_DEADLINE", "1")
+    with bench_serve.environment({"KVSHM_WAIT_IN_FLIGHT": "0",
+                                  "KVSHM_IN_FLIGHT_DEADLINE": "3"}):
+        assert os.environ["KVSHM_WAIT_IN_FLIGHT"] == "0"
+        assert os.environ["KVSHM_IN_FLIGHT_DEADLINE"] == "3"
+    assert "KVSHM_WAIT_IN_FLIGHT" not in os.environ
+    assert os.environ["KVSHM_IN_FLIGHT_DEADLINE"] == "1"
 
 
 def test_rounds_alternate_the_first_mode_and_report_the_medians_of_their_ratios(
