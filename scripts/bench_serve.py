@@ -221,6 +221,8 @@ def run_mode(args, mode: str, model: str, config, tmp: Path) -> dict:
         "coordinator_cpu_s": round(coord, 2),
         "completed": result.get("completed"), "failed": result.get("failed", 0),
         "ttft_p50_ms": result["median_ttft_ms"], "ttft_p99_ms": result["p99_ttft_ms"],
+        # the gap between a stream's tokens: what a step of the engine takes
+        "itl_p50_ms": result["median_itl_ms"],
         "request_throughput": result["request_throughput"],
         "output_throughput": result["output_throughput"],
         "total_input_tokens": result["total_input_tokens"],
@@ -233,7 +235,8 @@ def run_mode(args, mode: str, model: str, config, tmp: Path) -> dict:
 
 def print_run(run: dict) -> None:
     print(f"{run['mode']:16s} TTFT p50 {run['ttft_p50_ms']:8.0f} ms  p99 "
-          f"{run['ttft_p99_ms']:8.0f} ms  {run['request_throughput']:.2f} req/s  "
+          f"{run['ttft_p99_ms']:8.0f} ms  ITL p50 {run.get('itl_p50_ms', 0):4.0f} ms  "
+          f"{run['request_throughput']:.2f} req/s  "
           f"{run['output_throughput']:.1f} tok/s  hits {run['server_hit_rate']:.1%}  "
           f"failed {run['failed']}  engines' CPU {sum(run['engines_cpu_s']):.1f} s in "
           f"{run['wall_s']:.1f} s  per engine "
