@@ -27,9 +27,9 @@ def model(tmp_path):
     return write_tiny_model(tmp_path / "m")
 
 
-def options(model, tmp_path, **kw) -> HostOptions:
+def options(model, tmp_path, release="0.32.0", **kw) -> HostOptions:
     config = resolve_config(PoolSource(vllm_model=str(model), kv_memory="64MiB",
-                                       block_size=32, vllm_version="0.32.0"))
+                                       block_size=32, vllm_version=release))
     kw = {"router": "none", "port": free_port(), "engines": 2, "pin": False, **kw}
     return HostOptions(model=str(model), config=config, log_dir=str(tmp_path / "logs"), **kw)
 
@@ -68,6 +68,23 @@ def test_own_caches_split_the_pool_s_blocks_and_set_no_pool(model, tmp_path, mon
     share = (opts.config.num_blocks - 1) // 2 + 1
     assert argv[argv.index("--num-gpu-blocks-override") + 1] == str(share)
     assert "KVSHM_POOL" not in h.engine_env(h.engines[0])
+    h.stop()
+
+
+@pytest.mark.parametrize("release, router, serve_args, flags", [
+    ("0.32.0", "cache_aware", [], 1),
+    ("0.32.0", "cache_aware", ["--enable-scale-out"], 1),   # given once: not twice
+    ("0.32.0", "round_robin", [], 0),
+    ("0.14.0", "cache_aware", [], 0),       # its router reads /tokenize, always on
+])
+def test_cache_aware_routing_gets_the_engines_endpoint_for_prompt_tokens(
+        model, tmp_path, monkeypatch, release, router, serve_args, flags):
+    """vllm-router's cache-aware policy asks each engine for a prompt's
+    tokens; a 0.32 engine answers that endpoint 403 unless it has
+    --enable-scale-out, and the router then routes by load alone."""
+    monkeypatch.setattr(host, "router_command", lambda: ["vllm-router"])
+    h = Host(options(model, tmp_path, release, router=router, serve_args=serve_args))
+    assert h.engine_argv(h.engines[0]).count("--enable-scale-out") == flags
     h.stop()
 
 

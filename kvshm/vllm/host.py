@@ -46,6 +46,12 @@ from kvshm.workers.topology import Plan, discover, format_cpulist, pin, plan
 
 # The front door's routing policies (vllm-router's names), "none" for none.
 ROUTER_POLICIES = ("round_robin", "power_of_two", "cache_aware", "random", "none")
+# vllm-router's cache-aware policy routes by a prompt's tokens, which it asks
+# each engine for (POST /v1/completions/render, else /tokenize).  vLLM
+# releases that keep the render endpoint behind a flag answer it 403
+# without the flag, and the router then routes by load alone; with
+# cache-aware routing their engines get the flag.
+TOKENS_FOR_ROUTER = {"0.32.0": "--enable-scale-out"}
 GiB = 1 << 30
 
 
@@ -263,7 +269,9 @@ class Host:
     def engine_argv(self, e: Engine) -> list[str]:
         """`vllm serve` for engine `e` with the pool's block size and
         context length (an engine on a pool must have them; one on its own
-        cache gets the same, and its share of the blocks)."""
+        cache gets the same, and its share of the blocks), and behind
+        cache-aware routing what the router needs to read its prompts'
+        tokens (TOKENS_FOR_ROUTER)."""
         opts, cfg = self.opts, self.opts.config
         argv = [sys.executable, "-m", "kvshm.vllm.command", "serve", opts.model,
                 "--host", "127.0.0.1", "--port", str(e.port),
@@ -272,6 +280,9 @@ class Host:
         if opts.mode == "own":
             share = (cfg.num_blocks - 1) // len(self.engines) + 1
             argv += ["--num-gpu-blocks-override", str(share)]
+        flag = TOKENS_FOR_ROUTER.get(cfg.vllm_version)
+        if opts.router == "cache_aware" and flag and flag not in opts.serve_args:
+            argv.append(flag)
         return argv + list(opts.serve_args)
 
     def _spawn(self, e: Engine) -> None:
