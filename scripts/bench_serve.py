@@ -19,10 +19,15 @@ shared by num_prompts / num_prefixes prompts, shuffled), and stops it:
 - `own-cache-aware`: the same, behind vllm-router's cache-aware policy,
   which sends a prompt where its prefix went before (hits bought with
   imbalance);
-- `pool-rr`: the engines on one pool, behind round robin.
+- `pool-rr`: the engines on one pool, behind round robin;
+- `pool-p2c`: the same behind power-of-two routing;
+- `pool-rr-nowait`: `pool-rr` with engines that never wait for a prefix
+  another engine is computing (KVSHM_WAIT_IN_FLIGHT=0): the A/B of those
+  waits.
 
-For each it reports what the client measured (TTFT p50/p99, request and
-output throughput, failed requests), what the servers counted (each
+For each it reports what the client measured (TTFT p50/p99, the median
+gap between a stream's tokens, request and output throughput, failed
+requests), what the servers counted (each
 engine's prefix-cache queries and hits from /metrics; the pool's own
 stats), the engines' CPU seconds, and the best hit rates perfect caches
 would give the dataset (one shared cache; a cache per engine under round
@@ -297,7 +302,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     load.add_argument("--rate", type=float, default=1.8,
                       help="open loop: a Poisson stream of RATE requests a second (1.8: "
                       "between the own caches' capacity and the pool's on a 2-CPU AVX2 "
-                      "host, about 1.4 and 2.1 requests a second in closed loop)")
+                      "host, about 1.5 and 2 requests a second in closed loop)")
     load.add_argument("--max-concurrency", type=int, default=0,
                       help="closed loop: at most N requests in flight, sent at once")
     ap.add_argument("--num-prompts", type=int, default=160)
