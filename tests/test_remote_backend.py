@@ -6,6 +6,7 @@ allocation); and the plugin's settings, read when its binding is made."""
 
 from __future__ import annotations
 
+import contextlib
 import re
 import time
 
@@ -68,15 +69,30 @@ def allocate(b: RemoteBackend, req, hits, n_computed: int):
     return b.allocate_slots(req, req.num_tokens - n_computed, n_computed, hits, 0, 0, False, 0)
 
 
-@pytest.mark.parametrize("skips", [True, False], ids=["skipped", "allocation-none"])
-def test_a_lookup_of_tokens_in_flight_waits_then_hits_them(proc, skips):
-    prompt = tokens(0, 20)                   # 5 full blocks of 4
+@contextlib.contextmanager
+def in_flight(proc, skips: bool = True, **kw):
+    """A writer session with `tokens(0, 20)` in flight (5 full blocks of 4,
+    cached but not computed), and a backend that waits for 8 or more
+    tokens in flight (`kw`: its deadline and poll; `skips`: whether the
+    scheduler skips a waiting request, as with the plugin's connector).
+    Yields (writer, backend, prompt)."""
+    prompt = tokens(0, 20)
     with connect_sync(proc.socket, hash_algorithm=CFG.hash_algorithm,
                       hash_seed=CFG.hash_seed) as writer:
         writer.add_request("w", prompt)
-        assert writer.allocate_slots("w", 20) is not None   # cached, not ready: in flight
-        b = backend(proc, wait_in_flight=8, in_flight_deadline=30, in_flight_poll=0.05)
-        b.skips_waiting = skips          # as the plugin's connector sets it
+        assert writer.allocate_slots("w", 20) is not None
+        b = backend(proc, wait_in_flight=8, **kw)
+        b.skips_waiting = skips
+        try:
+            yield writer, b, prompt
+        finally:
+            b.client.close()
+
+
+@pytest.mark.parametrize("skips", [True, False], ids=["skipped", "allocation-none"])
+def test_a_lookup_of_tokens_in_flight_waits_then_hits_them(proc, skips):
+    with in_flight(proc, skips, in_flight_deadline=30,
+                   in_flight_poll=0.05) as (writer, b, prompt):
         req = VllmRequest("r", prompt + tokens(100, 103), b.client.make_hasher())
         hits, n, _ = b.get_computed_blocks(req)
         assert n == 0
@@ -110,7 +126,6 @@ def test_a_lookup_of_tokens_in_flight_waits_then_hits_them(proc, skips):
         assert b.in_flight_waits == 1
         b.free(req)
         writer.free("w")
-        b.client.close()
 
 
 @pytest.mark.parametrize("skips", [True, False], ids=["skipped", "allocation-none"])
@@ -118,13 +133,8 @@ def test_a_request_held_for_tokens_in_flight_counts_once_in_the_pool_s_stats(pro
     """The lookups that hold a request back (each poll while it waits) are
     not counted; the one that admits it is, with the hits it found (an
     engine on its own cache would have looked it up once)."""
-    prompt = tokens(0, 20)                   # 5 full blocks of 4
-    with connect_sync(proc.socket, hash_algorithm=CFG.hash_algorithm,
-                      hash_seed=CFG.hash_seed) as writer:
-        writer.add_request("w", prompt)
-        assert writer.allocate_slots("w", 20) is not None   # in flight
-        b = backend(proc, wait_in_flight=8, in_flight_deadline=30, in_flight_poll=0.001)
-        b.skips_waiting = skips
+    with in_flight(proc, skips, in_flight_deadline=30,
+                   in_flight_poll=0.001) as (writer, b, prompt):
         start = writer.stats()
         req = VllmRequest("r", prompt + tokens(100, 103), b.client.make_hasher())
         for _ in range(5):
@@ -146,17 +156,10 @@ def test_a_request_held_for_tokens_in_flight_counts_once_in_the_pool_s_stats(pro
                 end.hits - start.hits, end.hit_tokens - start.hit_tokens) == (1, 23, 1, 20)
         b.free(req)
         writer.free("w")
-        b.client.close()
 
 
 def test_a_request_past_its_wait_s_deadline_is_counted_with_what_it_found(proc):
-    prompt = tokens(0, 20)
-    with connect_sync(proc.socket, hash_algorithm=CFG.hash_algorithm,
-                      hash_seed=CFG.hash_seed) as writer:
-        writer.add_request("w", prompt)
-        writer.allocate_slots("w", 20)
-        b = backend(proc, wait_in_flight=8, in_flight_deadline=0.05, in_flight_poll=0.001)
-        b.skips_waiting = True
+    with in_flight(proc, in_flight_deadline=0.05, in_flight_poll=0.001) as (writer, b, prompt):
         start = writer.stats()
         req = VllmRequest("r", prompt, b.client.make_hasher())
         b.get_computed_blocks(req)
@@ -168,17 +171,10 @@ def test_a_request_past_its_wait_s_deadline_is_counted_with_what_it_found(proc):
         assert (end.queries - start.queries, end.query_tokens - start.query_tokens) == (1, 20)
         b.free(req)
         writer.free("w")
-        b.client.close()
 
 
 def test_a_waiting_request_computes_the_tokens_itself_at_its_deadline(proc):
-    prompt = tokens(0, 20)
-    with connect_sync(proc.socket, hash_algorithm=CFG.hash_algorithm,
-                      hash_seed=CFG.hash_seed) as writer:
-        writer.add_request("w", prompt)
-        writer.allocate_slots("w", 20)
-        b = backend(proc, wait_in_flight=8, in_flight_deadline=0.1, in_flight_poll=0.01)
-        b.skips_waiting = True
+    with in_flight(proc, in_flight_deadline=0.1, in_flight_poll=0.01) as (writer, b, prompt):
         req = VllmRequest("r", prompt, b.client.make_hasher())
         hits, n, _ = b.get_computed_blocks(req)
         assert b.waits("r")
@@ -193,7 +189,6 @@ def test_a_waiting_request_computes_the_tokens_itself_at_its_deadline(proc):
         assert not quick.waits("o") and quick.in_flight_waits == 0
         b.free(req)
         writer.free("w")
-        b.client.close()
         quick.client.close()
 
 
