@@ -367,9 +367,10 @@ def main(argv: list[str] | None = None) -> int:
             runs = {}
             for mode in order:
                 run = runs[mode] = run_mode(args, mode, model, config, tmp)
-                # (the classes follow round robin's order of engines)
-                if (len(run["ttfts_ms"]) == args.num_prompts
-                        and run["router"] == "round_robin"):
+                # (the classes follow round robin's order of engines; the
+                # dataset has as many prompts for every prefix)
+                sent = args.num_prompts // args.num_prefixes * args.num_prefixes
+                if len(run["ttfts_ms"]) == sent and run["router"] == "round_robin":
                     classes = prefix_classes(args, model, len(run["servers"]))
                     run["by_prefix"] = by_class(run["ttfts_ms"], classes)
                 print_run(run)

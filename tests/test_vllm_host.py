@@ -30,8 +30,6 @@ REPO = Path(__file__).resolve().parent.parent
 START_TIMEOUT = 600
 
 
-
-
 def user_env(release: str) -> dict[str, str]:
     """A shell of the release's environment, as a user who activated it has."""
     env = {k: v for k, v in os.environ.items()
@@ -107,7 +105,9 @@ def descendants(pid: int) -> set[int]:
 def test_the_host_serves_rides_through_a_coordinator_kill_and_stops_clean(release, tmp_path):
     """`kvshm host`: start, 100 requests through the front door with the
     coordinator SIGKILLed once under load (every request succeeds), the
-    engines' metrics and the pool's stats telling the same hit tokens,
+    engines' metrics, the pool's stats and the replies' cached tokens
+    (`--enable-prompt-tokens-details` passed through) telling the same hit
+    tokens,
     Ctrl-C, nothing left behind (no process, no segment, no socket)."""
     model = write_tiny_model(tmp_path / "model", "tiny")
     port = free_ports(3)
@@ -115,7 +115,7 @@ def test_the_host_serves_rides_through_a_coordinator_kill_and_stops_clean(releas
     proc = subprocess.Popen(
         ["kvshm", "host", str(model), "--name", name, "--port", str(port), "--kv-memory",
          "64MiB", "--block-size", "32", "--max-model-len", "1024", "--", "--enforce-eager",
-         "--max-num-seqs", "8"],
+         "--max-num-seqs", "8", "--enable-prompt-tokens-details"],
         env=user_env(release), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         start_new_session=True)
     lines: list[str] = []
@@ -172,6 +172,11 @@ def test_the_host_serves_rides_through_a_coordinator_kill_and_stops_clean(releas
         pool = json.loads(stats.stdout)
         assert pool["query_tokens"] == prompt_tokens and pool["hit_tokens"] == hits
         assert hits >= 0.5 * prompt_tokens          # five shared documents
+        # The clients' view: each reply's cached tokens, hits from other
+        # engines' blocks included (0.14 leaves out the details of a reply
+        # with none).
+        assert sum((r["usage"]["prompt_tokens_details"] or {"cached_tokens": 0})
+                   ["cached_tokens"] for r in results.values()) == hits
         children = descendants(proc.pid)
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=120) == 130
