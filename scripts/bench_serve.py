@@ -43,9 +43,7 @@ pinned: on a 2-CPU machine it shares the engines' CPUs.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import os
 import re
 import subprocess
 import sys
@@ -173,32 +171,16 @@ def run_client(args, url: str, model: str, out: Path) -> dict:
     return json.loads(out.read_text())
 
 
-@contextlib.contextmanager
-def environment(changes: dict[str, str]):
-    """This process's environment with `changes`, restored on the way out."""
-    saved = {k: os.environ.get(k) for k in changes}
-    os.environ.update(changes)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
 def run_mode(args, mode: str, model: str, config, tmp: Path) -> dict:
     kind, router, env = MODES[mode]
     serve_args = [] if args.compile else ["--enforce-eager"]
     serve_args += ["--max-num-seqs", str(args.max_num_seqs)]
     opts = HostOptions(model=model, config=config, name="kvshm-bench-serve",
                        engines=args.engines, port=args.port, router=router, mode=kind,
-                       serve_args=serve_args)
+                       serve_args=serve_args, engine_env=env)
     host = Host(opts, out=sys.stderr)
     t0 = time.monotonic()
-    with environment(env):          # the engines' (they inherit this process's)
-        host.start()
+    host.start()
     try:
         started = time.monotonic() - t0
         before = [scrape(e.url) for e in host.engines]
@@ -358,6 +340,7 @@ def main(argv: list[str] | None = None) -> int:
                                            block_size=args.block_size, max_model_len=4096,
                                            vllm_version=release))
         rounds = []
+        classes: dict[int, list[str]] = {}   # engines -> each request's prefix class
         for r in range(args.rounds):
             # (the first mode alternates, so a drift of the machine's speed
             # weighs on every mode alike)
@@ -371,8 +354,10 @@ def main(argv: list[str] | None = None) -> int:
                 # dataset has as many prompts for every prefix)
                 sent = args.num_prompts // args.num_prefixes * args.num_prefixes
                 if len(run["ttfts_ms"]) == sent and run["router"] == "round_robin":
-                    classes = prefix_classes(args, model, len(run["servers"]))
-                    run["by_prefix"] = by_class(run["ttfts_ms"], classes)
+                    engines = len(run["servers"])
+                    if engines not in classes:
+                        classes[engines] = prefix_classes(args, model, engines)
+                    run["by_prefix"] = by_class(run["ttfts_ms"], classes[engines])
                 print_run(run)
             rounds.append([runs[m] for m in modes])
     engines = len(rounds[0][0]["servers"])

@@ -6,6 +6,7 @@ host serving for real is tests/test_vllm_host.py."""
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -57,6 +58,18 @@ def test_each_engine_gets_the_pool_its_cpus_and_the_pool_s_shape(model, tmp_path
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "1"
     assert "VLLM_CPU_OMP_THREADS_BIND" not in env          # not pinned
     assert env["VLLM_CACHE_ROOT"].endswith("vllm-0.32.0")
+    h.stop()
+
+
+def test_the_options_engine_environment_reaches_every_engine(model, tmp_path, monkeypatch):
+    monkeypatch.delenv("KVSHM_WAIT_IN_FLIGHT", raising=False)
+    monkeypatch.setenv("KVSHM_IN_FLIGHT_DEADLINE", "1")
+    h = Host(options(model, tmp_path, engine_env={"KVSHM_WAIT_IN_FLIGHT": "0",
+                                                  "KVSHM_IN_FLIGHT_DEADLINE": "3"}))
+    for e in h.engines:
+        env = h.engine_env(e)
+        assert (env["KVSHM_WAIT_IN_FLIGHT"], env["KVSHM_IN_FLIGHT_DEADLINE"]) == ("0", "3")
+    assert "KVSHM_WAIT_IN_FLIGHT" not in os.environ      # this process's is untouched
     h.stop()
 
 

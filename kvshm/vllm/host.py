@@ -77,6 +77,7 @@ class HostOptions:
     router: str = "round_robin"
     mode: str = "pool"                  # or "own": each engine its own cache
     serve_args: list[str] = field(default_factory=list)
+    engine_env: dict[str, str] = field(default_factory=dict)   # more for every engine
     pin: bool = True
     log_dir: str | None = None          # the engines' and the router's logs (default: a
                                         # temporary folder, kept if something failed)
@@ -247,9 +248,10 @@ class Host:
     def engine_env(self, e: Engine) -> dict[str, str]:
         """Engine `e`'s environment: the pool (KVSHM_POOL, its node), its
         CPUs (vLLM's VLLM_CPU_OMP_THREADS_BIND), the KV-cache space vLLM
-        checks against free memory, and its own rendezvous ports."""
+        checks against free memory, its own rendezvous ports, and the
+        options' `engine_env` (the plugin's knobs, for example)."""
         opts, cfg = self.opts, self.opts.config
-        env = dict(os.environ)
+        env = {**os.environ, **opts.engine_env}
         env.pop("KVSHM_POOL", None)
         if opts.mode == "pool":
             env["KVSHM_POOL"] = str(self.socket)
